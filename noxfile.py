@@ -1,0 +1,121 @@
+"""Sessions for the Colossal monorepo.
+
+Every package is tested in a virtual environment that holds only that package, the sibling
+packages it declares (installed from this tree, never from a registry), its ``test`` extra and
+torch. That is how we prove the import arrows of ``ARCHITECTURE.md``.
+
+torch comes from one pinned spec, ``COLOSSAL_TORCH_SPEC`` (default ``torch==2.13.0``, the CPU
+build that lies on this project's machines), passed as a pip constraint to every install so that
+no session can ever pull a different (multi-GB CUDA) torch by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import tomllib
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+TORCH_SPEC = os.environ.get("COLOSSAL_TORCH_SPEC", "torch==2.13.0")
+PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").exists())
+
+nox.options.sessions = ["tests", "lint", "docs"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+
+def _requirement_names(requirements: list[str]) -> list[str]:
+    return [re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower() for r in requirements]
+
+
+def _project(dist: str) -> dict:
+    return tomllib.loads((PACKAGES_DIR / dist / "pyproject.toml").read_text())["project"]
+
+
+def sibling_closure(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
+    """Local packages ``dist`` needs at run time (and for ``extras``), dependencies first."""
+    project = _project(dist)
+    reqs = list(project.get("dependencies", []))
+    for extra in extras:
+        reqs += project.get("optional-dependencies", {}).get(extra, [])
+    order: list[str] = []
+    for name in _requirement_names(reqs):
+        if name in PACKAGES and name != dist:
+            for dep in sibling_closure(name) + [name]:
+                if dep not in order:
+                    order.append(dep)
+    return order
+
+
+def _constraints(session: nox.Session) -> str:
+    path = pathlib.Path(session.create_tmp()) / "constraints.txt"
+    path.write_text(TORCH_SPEC + "\n")
+    return str(path)
+
+
+def install_packages(session: nox.Session, dists: list[str], extras: dict[str, str] | None = None) -> None:
+    """Install torch (pinned) and the given local packages in one resolver run."""
+    extras = extras or {}
+    constraints = _constraints(session)
+    session.install("-c", constraints, TORCH_SPEC)
+    paths = [f"{PACKAGES_DIR / d}[{extras[d]}]" if d in extras else str(PACKAGES_DIR / d) for d in dists]
+    session.install("-c", constraints, *paths)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests in its own venv (package + declared siblings + test extra)."""
+    install_packages(session, sibling_closure(package, ("test",)) + [package], {package: "test"})
+    session.env.setdefault("OMP_NUM_THREADS", "1")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        str(PACKAGES_DIR / package / "tests"),
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree, plus the import-arrow check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("python", str(ROOT / "tools" / "check_arrows.py"))
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site strictly (warnings are errors)."""
+    session.install("-r", str(ROOT / "docs" / "requirements.txt"))
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(pathlib.Path(session.create_tmp()) / "site"))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job. Until the meta-package lands: the colossal-comm bandwidth demo on 2 ranks."""
+    install_packages(session, ["colossal-comm"])
+    session.run("python", "-m", "colossal.comm.demo", "--nproc", "2", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def bench(session: nox.Session, package: str) -> None:
+    """Run every script in ``packages/<package>/bench/`` (side-by-side comparisons)."""
+    scripts = sorted((PACKAGES_DIR / package / "bench").glob("bench_*.py"))
+    if not scripts:
+        session.skip(f"{package} has no benchmarks yet")
+    bench_reqs = PACKAGES_DIR / package / "bench" / "requirements.txt"
+    install_packages(session, sibling_closure(package) + [package])
+    if bench_reqs.exists():
+        session.install("-c", _constraints(session), "-r", str(bench_reqs))
+    for script in scripts:
+        session.run("python", str(script), *session.posargs)

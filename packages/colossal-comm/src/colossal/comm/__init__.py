@@ -1,0 +1,76 @@
+"""colossal.comm: launch, the N-D process-group mesh, collectives with events, test harness.
+
+Every other Colossal package communicates through these names only.
+"""
+
+from colossal.comm.collectives import (
+    CommHandle,
+    P2POp,
+    all_gather,
+    all_gather_list,
+    all_reduce,
+    all_to_all,
+    all_to_all_dims,
+    batch_p2p,
+    broadcast,
+    group_ranks,
+    recv,
+    reduce,
+    reduce_scatter,
+    ring_exchange,
+    send,
+)
+from colossal.comm.events import CommCounter, CommEvent, ObserverHandle, bus_factor, has_observers, register_observer
+from colossal.comm.functional import (
+    all_gather_along_dim,
+    all_to_all_along_dims,
+    copy_to_group,
+    gather_along_dim,
+    reduce_from_group,
+    reduce_scatter_along_dim,
+    split_along_dim,
+)
+from colossal.comm.launch import LaunchInfo, default_backend, default_device, detect_launcher, launch
+from colossal.comm.layouts import Layout2D, Layout2p5D, Layout3D
+from colossal.comm.mesh import Axis, Mesh
+
+__all__ = [
+    "Axis",
+    "CommCounter",
+    "CommEvent",
+    "CommHandle",
+    "LaunchInfo",
+    "Layout2D",
+    "Layout2p5D",
+    "Layout3D",
+    "Mesh",
+    "ObserverHandle",
+    "P2POp",
+    "all_gather",
+    "all_gather_along_dim",
+    "all_gather_list",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_along_dims",
+    "all_to_all_dims",
+    "batch_p2p",
+    "broadcast",
+    "bus_factor",
+    "copy_to_group",
+    "default_backend",
+    "default_device",
+    "detect_launcher",
+    "gather_along_dim",
+    "group_ranks",
+    "has_observers",
+    "launch",
+    "recv",
+    "reduce",
+    "reduce_from_group",
+    "reduce_scatter",
+    "reduce_scatter_along_dim",
+    "register_observer",
+    "ring_exchange",
+    "send",
+    "split_along_dim",
+]

@@ -1,0 +1,126 @@
+"""Initialise torch.distributed from the environment a launcher left behind.
+
+Understood launchers, in order of precedence:
+
+========== ======================================= ============================================
+launcher   rank / world size / local rank          rendezvous address
+========== ======================================= ============================================
+torchrun   ``RANK`` ``WORLD_SIZE`` ``LOCAL_RANK``  ``MASTER_ADDR`` ``MASTER_PORT``
+SLURM      ``SLURM_PROCID`` ``SLURM_NTASKS``       ``MASTER_ADDR`` (or first host of
+           ``SLURM_LOCALID``                       ``SLURM_JOB_NODELIST``), ``MASTER_PORT``
+OpenMPI    ``OMPI_COMM_WORLD_RANK`` ``..._SIZE``   ``MASTER_ADDR`` ``MASTER_PORT``
+           ``OMPI_COMM_WORLD_LOCAL_RANK``
+none       a plain process: world size 1           an in-memory store
+========== ======================================= ============================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaunchInfo", "launch", "detect_launcher", "default_device", "default_backend"]
+
+_SCHEMES = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+}
+DEFAULT_PORT = 29500
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchInfo:
+    """Where this process sits, as read from the environment."""
+
+    launcher: str
+    """``"torchrun"``, ``"slurm"``, ``"openmpi"`` or ``"none"``."""
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank among the processes of this host (selects the CUDA device)."""
+    master_addr: str
+    """Rendezvous host."""
+    master_port: int
+    """Rendezvous port."""
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device(local_rank: int | None = None) -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def detect_launcher(env: dict[str, str] | None = None) -> LaunchInfo:
+    """Read a :class:`LaunchInfo` from ``env`` (default ``os.environ``).
+
+    Raises ``ValueError`` naming the missing variables when a launcher's variables are half set.
+    """
+    env = dict(os.environ if env is None else env)
+    for name, keys in _SCHEMES.items():
+        present = [k for k in keys[:2] if k in env]
+        if not present:
+            continue
+        missing = [k for k in keys[:2] if k not in env]
+        if missing:
+            raise ValueError(f"{name} environment is half set: have {present}, missing {missing}")
+        rank, world, local = (int(env.get(k, "0")) for k in keys)
+        if not 0 <= rank < world:
+            raise ValueError(f"{keys[0]}={rank} must lie in [0, {keys[1]}={world})")
+        addr = env.get("MASTER_ADDR") or (
+            _first_host(env["SLURM_JOB_NODELIST"]) if "SLURM_JOB_NODELIST" in env else None
+        )
+        if addr is None and world > 1:
+            raise ValueError(f"{name} environment with world size {world} needs MASTER_ADDR")
+        return LaunchInfo(name, rank, world, local, addr or "127.0.0.1", int(env.get("MASTER_PORT", DEFAULT_PORT)))
+    return LaunchInfo("none", 0, 1, 0, "127.0.0.1", DEFAULT_PORT)
+
+
+def launch(backend: str | None = None, timeout: float = 1800.0, env: dict[str, str] | None = None) -> LaunchInfo:
+    """Initialise the default process group from the launcher's environment and set the device.
+
+    Idempotent: when torch.distributed is already initialised it only reports. A plain process
+    (no launcher variables) becomes a world of size 1 on an in-memory store.
+    """
+    info = detect_launcher(env)
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which is not available here; use 'gloo'")
+    if dist.is_initialized():
+        return info
+    if backend == "nccl":
+        torch.cuda.set_device(default_device(info.local_rank))
+    kwargs = dict(
+        backend=backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout)
+    )
+    if info.world_size == 1 and info.launcher == "none":
+        dist.init_process_group(store=dist.HashStore(), **kwargs)
+    else:
+        dist.init_process_group(init_method=f"tcp://{info.master_addr}:{info.master_port}", **kwargs)
+    return info

@@ -1,0 +1,249 @@
+"""Run a function on N local processes: the multi-process test harness (and demo launcher).
+
+* Rendezvous through a fresh ``FileStore`` file, so parallel runs never race for a port.
+* A deadline for the whole run: at the deadline every live rank dumps the stacks of all its
+  threads (``faulthandler`` on ``SIGUSR1``), then every rank is killed and :class:`RankTimeout`
+  shows those stacks. A hung collective can never hang CI.
+* A rank that raises fails the run at once: the other ranks (usually blocked in a collective
+  waiting for it) are killed and the *original* exception is re-raised in the caller, chained to
+  the remote traceback, so ``pytest.raises(ValueError)`` works across processes.
+* Each rank's return value comes back (pickled), indexed by rank.
+
+Processes start through a ``forkserver`` that has already imported torch, so a rank starts in
+milliseconds instead of re-importing torch each time (``start_method="spawn"`` is available).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import functools
+import importlib
+import multiprocessing as mp
+import os
+import pathlib
+import pickle
+import queue
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["run_distributed", "distributed_test", "RankFailure", "RankTimeout", "RemoteTraceback"]
+
+_PRELOAD = ["torch", "torch.distributed", "colossal.comm"]
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's traceback text; set as ``__cause__`` of the re-raised exception."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class RankFailure(RuntimeError):
+    """A rank failed with an exception that could not be re-raised as itself, or died."""
+
+
+class RankTimeout(TimeoutError):
+    """The run passed its deadline; the message holds every live rank's stacks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FnRef:
+    """A picklable reference to a module-level function, possibly wrapped by a decorator."""
+
+    module: str
+    qualname: str
+
+    def resolve(self) -> Callable:
+        obj: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        while getattr(obj, "_colossal_distributed_test", False):
+            obj = obj.__wrapped__
+        return obj
+
+
+def _worker(rank, world_size, store_path, fn, args, kwargs, results, stack_path, backend, threads, timeout):
+    import torch
+    import torch.distributed as dist
+
+    with open(stack_path, "w") as stack_file:
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+        )
+        torch.set_num_threads(threads)
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{store_path}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            target = fn.resolve() if isinstance(fn, _FnRef) else fn
+            results.put((rank, "ok", pickle.dumps(target(*args, **kwargs))))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+            text = traceback.format_exc()
+            try:
+                payload = pickle.dumps(exc)
+            except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
+                payload = None
+            results.put((rank, "error", (payload, f"{type(exc).__name__}: {exc}", text)))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            results.close()
+            results.join_thread()
+
+
+@functools.cache
+def _context(start_method: str):
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _raise_failure(rank: int, payload: bytes | None, summary: str, text: str, others: list[str]) -> None:
+    cause = RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{text}" + "".join(others))
+    exc: BaseException | None = None
+    if payload is not None:
+        try:
+            exc = pickle.loads(payload)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if not isinstance(exc, Exception):
+        exc = RankFailure(f"rank {rank} failed: {summary}")
+    raise exc from cause
+
+
+def _dump_stacks(procs: list, stack_paths: list[pathlib.Path]) -> str:
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    return "".join(
+        f"\n--- stacks of rank {r} ---\n{path.read_text() or '(rank had exited)'}" for r, path in enumerate(stack_paths)
+    )
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    backend: str = "gloo",
+    threads: int = 1,
+    start_method: str = "forkserver",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes with torch.distributed
+    initialised (ranks ``0..world_size-1``); return the list of their return values by rank.
+
+    ``fn`` must be importable by name from a child process (a module-level function).
+    ``timeout`` (seconds) bounds the whole run; ``threads`` is each rank's torch thread count.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    ctx = _context(start_method)
+    with tempfile.TemporaryDirectory(prefix="colossal-dist-") as tmp:
+        store, stack_paths = os.path.join(tmp, "store"), [pathlib.Path(tmp, f"stack{r}") for r in range(world_size)]
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, store, fn, args, kwargs, results, str(stack_paths[r]), backend, threads, timeout),
+                name=f"colossal-rank{r}",
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, time.monotonic() + timeout, stack_paths, timeout)
+        finally:
+            _kill_all(procs)
+
+
+def _collect(procs, results, world_size, deadline, stack_paths, timeout) -> list[Any]:
+    values: dict[int, Any] = {}
+    while len(values) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.05)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                stacks = _dump_stacks(procs, stack_paths)
+                raise RankTimeout(
+                    f"ranks {sorted(set(range(world_size)) - set(values))} of {world_size} did not finish "
+                    f"within {timeout:.0f} s; every rank's stacks:{stacks}"
+                ) from None
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+            if dead:
+                raise RankFailure(f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting") from None
+            continue
+        if status == "ok":
+            values[rank] = pickle.loads(payload)
+            continue
+        others = _other_failures(results, grace=0.3)
+        _raise_failure(rank, *payload, others=others)
+    return [values[r] for r in range(world_size)]
+
+
+def _other_failures(results, grace: float) -> list[str]:
+    """Summaries of further ranks that fail within ``grace`` seconds (e.g. every rank raising)."""
+    lines, end = [], time.monotonic() + grace
+    while (left := end - time.monotonic()) > 0:
+        try:
+            rank, status, payload = results.get(timeout=left)
+        except queue.Empty:
+            break
+        if status == "error":
+            lines.append(f"\n--- rank {rank} also failed: {payload[1]}")
+    return lines
+
+
+def distributed_test(
+    world_size: int = 2, timeout: float = 60.0, backend: str = "gloo", threads: int = 1
+) -> Callable[[Callable], Callable]:
+    """Decorator: the test body runs on ``world_size`` ranks (pytest parameters are forwarded).
+
+    ::
+
+        @distributed_test(world_size=4)
+        def test_all_reduce():
+            t = torch.ones(3) * dist.get_rank()
+            ...
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        ref = _FnRef(fn.__module__, fn.__qualname__)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            run_distributed(ref, world_size, *args, timeout=timeout, backend=backend, threads=threads, **kwargs)
+
+        wrapper._colossal_distributed_test = True  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate

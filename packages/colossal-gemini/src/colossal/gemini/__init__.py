@@ -1,0 +1,3 @@
+"""Chunk-based heterogeneous CPU/GPU memory manager."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Colossal meta-package: Booster and plugins, CLI, checkpoints, models."""
+
+__all__: list[str] = []
