@@ -1,3 +1,17 @@
-"""LAMB, LARS, CPU/Hybrid Adam, dynamic loss scaler and sharded gradient clipping."""
+"""LAMB, LARS, CPU/Hybrid Adam, dynamic loss scaler and sharded gradient clipping.
 
-__all__: list[str] = []
+``colossal.optim`` depends on torch alone. ZeRO and Gemini share its loss scalers and its
+sharded gradient norm/clip, so that logic exists once.
+"""
+
+from .grad_norm import clip_grad_norm_, grad_norm, group_norm_reducer, has_inf_or_nan
+from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+__all__ = [
+    "DynamicLossScaler",
+    "ConstantLossScaler",
+    "has_inf_or_nan",
+    "grad_norm",
+    "clip_grad_norm_",
+    "group_norm_reducer",
+]
