@@ -1,3 +1,46 @@
-"""1D/2D/2.5D/3D tensor parallelism and sequence parallelism."""
+"""1D/2D/2.5D/3D tensor parallelism and sequence parallelism.
 
-__all__: list[str] = []
+One module per mode (:mod:`~colossal.tensor_parallel.one_d`, ``two_d``, ``two_p5_d``,
+``three_d``, ``sequence``), each with parallel layers convertible from dense ones
+(``from_dense``) and an ``apply_*`` entry converting a whole model in place from a plan
+(:mod:`~colossal.tensor_parallel.plan`); :func:`parallelize` dispatches on the mode name.
+"""
+
+from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from colossal.tensor_parallel.one_d import (
+    Embedding1D,
+    LayerNorm1D,
+    Linear1D,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+    apply_1d,
+    cross_entropy_1d,
+    gather_output_1d,
+    split_input_1d,
+)
+from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, replace_module, resolve_plan
+from colossal.tensor_parallel.rng import DropoutMode, ParallelDropout, RNGTracker
+from colossal.tensor_parallel.validation import check_divisible, grid_side
+
+__all__ = [
+    "DropoutMode",
+    "Embedding1D",
+    "LayerNorm1D",
+    "Linear1D",
+    "ParallelDropout",
+    "RNGTracker",
+    "Style",
+    "VocabParallelEmbedding1D",
+    "VocabParallelLMHead1D",
+    "apply_1d",
+    "check_divisible",
+    "convert_model",
+    "cross_entropy_1d",
+    "gather_output_1d",
+    "gpt_plan",
+    "grid_side",
+    "replace_module",
+    "resolve_plan",
+    "split_input_1d",
+    "vocab_parallel_cross_entropy",
+]
