@@ -1,0 +1,201 @@
+"""The Booster: one call turns a plain PyTorch training setup into a distributed one.
+
+```python
+booster = Booster(plugin=TorchDDPPlugin(), mixed_precision="bf16")
+model, optimizer, criterion, dataloader, scheduler = booster.boost(model, optimizer, criterion, dataloader, scheduler)
+for x, y in dataloader:
+    loss = criterion(model(x), y)
+    booster.backward(loss, optimizer)      # instead of loss.backward()
+    optimizer.step(); optimizer.zero_grad()
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossalai.booster.ddp_plugin import TorchDDPPlugin
+from colossalai.booster.plugin import Plugin, world_rank
+from colossalai.booster.precision import Precision, parse_precision
+from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer
+from colossalai.checkpoint import (
+    RUN_FILE,
+    atomic_checkpoint_dir,
+    load_rng,
+    load_sharded,
+    resolve_checkpoint,
+    save_rng,
+    save_safetensors_folder,
+    save_sharded,
+)
+
+__all__ = ["Booster", "RunState"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RunState:
+    """Where a training run stood when it was saved."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Current data epoch."""
+    consumed_samples: int = 0
+    """Global samples consumed in the current epoch (see ``ResumableDistributedSampler``)."""
+    extra: dict = dataclasses.field(default_factory=dict)
+    """Whatever the caller stored (config, metrics, ...)."""
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
+    """Point the optimizer at the model's current parameters (materialisation replaces them)."""
+    current = dict(model.named_parameters(remove_duplicate=False))
+    for group in optimizer.param_groups:
+        group["params"] = [current[names[id(p)]] if id(p) in names else p for p in group["params"]]
+
+
+class Booster:
+    """Applies a plugin (parallel layout) and a mixed-precision mode to a training setup."""
+
+    def __init__(self, plugin: Plugin | None = None, mixed_precision: str | Precision | None = None) -> None:
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise TypeError(f"plugin must be a colossalai Plugin, got {type(plugin).__name__}")
+        self.plugin = plugin or TorchDDPPlugin()
+        self.precision = parse_precision(mixed_precision)
+        if self.precision not in self.plugin.supported_precisions:
+            supported = [p.value for p in self.plugin.supported_precisions]
+            raise NotImplementedError(f"{self.plugin!r} supports mixed_precision in {supported}, got {self.precision}")
+
+    def boost(self, model: nn.Module, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
+        """Return ``(model, optimizer, criterion, dataloader, lr_scheduler)``, boosted.
+
+        The optimizer must have been built over ``model.parameters()``; the scheduler over that
+        optimizer. A meta-device model is materialised by the plugin and the optimizer rebound.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        with torch.profiler.record_function("colossalai.booster::configure"):
+            wrapped, optimizer = self.plugin.configure(model, optimizer, self.precision)
+        original = self.plugin.unwrap(wrapped)
+        boosted_model = BoostedModel(wrapped, original, self.precision, self.plugin.device)
+        if optimizer is not None and not isinstance(optimizer, BoostedOptimizer):
+            if not self.plugin.handles_precision:
+                _rebind_optimizer(optimizer, names, original)
+            optimizer = BoostedOptimizer(optimizer, self._make_scaler())
+        if optimizer is not None:
+            optimizer.boosted_model = boosted_model
+        return boosted_model, optimizer, criterion, dataloader, lr_scheduler
+
+    def _make_scaler(self):
+        if self.precision is not Precision.FP16 or self.plugin.handles_precision:
+            return None
+        from colossal.optim import DynamicLossScaler
+
+        return DynamicLossScaler()
+
+    # ---- the training step ---------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: BoostedOptimizer) -> None:
+        """Backward pass through the optimizer (scales the loss in fp16)."""
+        optimizer.backward(loss)
+
+    def no_sync(self, model: BoostedModel, optimizer: BoostedOptimizer | None = None):
+        """Context for gradient accumulation: backward passes inside it do not communicate."""
+        inner = model.module if isinstance(model, BoostedModel) else model
+        return self.plugin.no_sync(inner, optimizer)
+
+    def clip_grad_norm(self, optimizer: BoostedOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients (unscaled first in fp16) to ``max_norm``; returns the total norm."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm}")
+        return optimizer.clip_grad_norm(max_norm, norm_type)
+
+    def prepare_dataloader(self, dataset, batch_size: int, **kwargs):
+        """The plugin's distributed DataLoader (see :meth:`Plugin.prepare_dataloader`)."""
+        return self.plugin.prepare_dataloader(dataset, batch_size, **kwargs)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_model(self, model: BoostedModel, root: str | os.PathLike, name: str = "model") -> pathlib.Path:
+        """Sharded, crash-safe model checkpoint ``root/name`` (DCP); returns its path."""
+        with atomic_checkpoint_dir(root, name) as tmp:
+            save_sharded(tmp, self.plugin, model.module)
+        return pathlib.Path(root) / name
+
+    def load_model(self, model: BoostedModel, path: str | os.PathLike) -> None:
+        """Load a model checkpoint written by any plugin at any world size."""
+        load_sharded(resolve_checkpoint(path), self.plugin, model.module)
+
+    def save_optimizer(self, optimizer: BoostedOptimizer, root: str | os.PathLike, name: str = "optimizer"):
+        """Sharded, crash-safe model + optimizer checkpoint (optimizer state is keyed by parameter name)."""
+        with atomic_checkpoint_dir(root, name) as tmp:
+            save_sharded(tmp, self.plugin, optimizer.boosted_model.module, optimizer.unwrap())
+        return pathlib.Path(root) / name
+
+    def load_optimizer(self, optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
+        """Load model and optimizer state from :meth:`save_optimizer` or :meth:`save_run`."""
+        load_sharded(resolve_checkpoint(path), self.plugin, optimizer.boosted_model.module, optimizer.unwrap())
+
+    def save_lr_scheduler(self, lr_scheduler, path: str | os.PathLike) -> None:
+        """``torch.save`` of the scheduler state (rank 0 writes; it is identical on every rank)."""
+        if world_rank() == 0:
+            torch.save(lr_scheduler.state_dict(), path)
+
+    def load_lr_scheduler(self, lr_scheduler, path: str | os.PathLike) -> None:
+        """Inverse of :meth:`save_lr_scheduler`."""
+        lr_scheduler.load_state_dict(torch.load(path, weights_only=False))
+
+    def save_run(self, root, model, optimizer, lr_scheduler=None, *, state: RunState, name: str | None = None):
+        """Everything needed for an exact resume, as ``root/step-XXXXXXXX``; ``root/latest`` points at it.
+
+        Model and optimizer go through DCP (reshardable); step, data position, scheduler, loss
+        scaler and extras go to ``run_state.pt``; each rank's RNG states to ``rng/rank<r>.pt``.
+        """
+        name = name or f"step-{state.step:08d}"
+        with atomic_checkpoint_dir(root, name) as tmp:
+            save_sharded(tmp, self.plugin, model.module, optimizer.unwrap())
+            save_rng(tmp)
+            if world_rank() == 0:
+                torch.save(self._run_payload(optimizer, lr_scheduler, state), tmp / RUN_FILE)
+        return pathlib.Path(root) / name
+
+    def _run_payload(self, optimizer, lr_scheduler, state: RunState) -> dict:
+        return {
+            "run": dataclasses.asdict(state),
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "scaler": optimizer.scaler.state_dict() if getattr(optimizer, "scaler", None) else None,
+            "plugin": type(self.plugin).__name__,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        }
+
+    def load_run(self, path, model, optimizer, lr_scheduler=None, dataloader=None) -> RunState:
+        """Restore a :meth:`save_run` checkpoint (``path`` may be the root: ``latest`` is used).
+
+        With ``dataloader`` (from :meth:`prepare_dataloader`) its sampler resumes at the saved
+        data position. Returns the saved :class:`RunState`.
+        """
+        path = resolve_checkpoint(path)
+        load_sharded(path, self.plugin, model.module, optimizer.unwrap())
+        payload = torch.load(path / RUN_FILE, weights_only=False)
+        if lr_scheduler is not None and payload["lr_scheduler"] is not None:
+            lr_scheduler.load_state_dict(payload["lr_scheduler"])
+        if getattr(optimizer, "scaler", None) is not None and payload["scaler"] is not None:
+            optimizer.scaler.load_state_dict(payload["scaler"])
+        state = RunState(**payload["run"])
+        if dataloader is not None and hasattr(dataloader.sampler, "set_position"):
+            dataloader.sampler.set_position(state.epoch, state.consumed_samples)
+        load_rng(path)
+        return state
+
+    def export_safetensors(self, model: BoostedModel, folder, max_shard_bytes: int = 2 * 1024**3):
+        """Gather the full model and write a Hugging Face style safetensors folder (rank 0)."""
+        full = self.plugin.full_model_state_dict(model.module)
+        if world_rank() == 0:
+            save_safetensors_folder(full, folder, max_shard_bytes)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return pathlib.Path(folder)

@@ -1,0 +1,74 @@
+"""Plain data parallelism through ``torch.nn.parallel.DistributedDataParallel``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from colossalai.booster.plugin import Plugin, world_size
+from colossalai.booster.precision import Precision
+
+__all__ = ["TorchDDPPlugin"]
+
+
+def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
+    """Allocate a meta-device model on ``device`` (``materialize()`` when the model has one,
+    else ``to_empty`` + ``reset_parameters`` per submodule) and move it there."""
+    if any(p.is_meta for p in model.parameters()):
+        if hasattr(model, "materialize"):
+            model.materialize(device)
+        else:
+            model.to_empty(device=device)
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+    return model.to(device)
+
+
+class TorchDDPPlugin(Plugin):
+    """Every rank holds the whole model; gradients are all-reduced in buckets during backward.
+
+    With a world size of 1 the model is not wrapped at all (no DDP overhead). Parameters of rank 0
+    are broadcast at wrap time, so ranks start identical whatever their seeds.
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        *,
+        bucket_cap_mb: int = 25,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+    ) -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.ddp_kwargs = dict(
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+
+    def configure(self, model: nn.Module, optimizer, precision: Precision):
+        """Move ``model`` to this rank's device (materialising meta tensors) and wrap it in DDP."""
+        model = materialize_(model, self.device)
+        if world_size() > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            with torch.profiler.record_function("colossalai.booster::ddp_wrap"):
+                model = DDP(model, device_ids=ids, **self.ddp_kwargs)
+        return model, optimizer
+
+    def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
+        """DDP's own ``no_sync`` (a no-op without DDP)."""
+        return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Strip the DDP wrapper."""
+        return model.module if isinstance(model, DDP) else model

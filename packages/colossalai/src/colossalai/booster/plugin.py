@@ -1,0 +1,123 @@
+"""The plugin interface: how a parallel layout turns a model, optimizer and data into boosted ones.
+
+A plugin owns three things: wrapping (``configure``), data sharding (``prepare_dataloader``, over
+its data-parallel axis), and state (model/optimizer state dicts keyed by the *original* parameter
+names, so that checkpoints move between plugins and world sizes through
+``torch.distributed.checkpoint``). Everything else (loss scaling, autocast, checkpoint files) is
+the Booster's, so a plugin stays small.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_sd
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from colossalai.booster.precision import Precision
+from colossalai.data.dataset import ResumableDistributedSampler
+
+__all__ = ["Plugin", "world_size", "world_rank"]
+
+
+def world_size() -> int:
+    """World size of the default group (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def world_rank() -> int:
+    """Global rank (0 when torch.distributed is not initialised)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Plugin(abc.ABC):
+    """Base class of every Booster plugin."""
+
+    name: str = "plugin"
+    """Short name used by the CLI (``--plugin NAME``)."""
+    supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.FP16, Precision.BF16)
+    """Precisions :meth:`configure` accepts."""
+    handles_precision: bool = False
+    """True when the plugin's engine does its own loss scaling/casting (the Booster then does not)."""
+
+    @abc.abstractmethod
+    def configure(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Wrap ``model`` (and ``optimizer``); return the wrapped pair."""
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device of this rank."""
+        from colossal.comm import default_device
+
+        return default_device()
+
+    # ---- data ------------------------------------------------------------------------------
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (default: the whole world)."""
+        return world_size()
+
+    def dp_rank(self) -> int:
+        """This rank's index on the data-parallel axis."""
+        return world_rank()
+
+    def prepare_dataloader(
+        self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, **kwargs
+    ) -> DataLoader:
+        """A DataLoader whose sampler gives this rank its share of the data-parallel axis.
+
+        ``batch_size`` is per data-parallel rank; the sampler drops the ragged tail so that every
+        rank runs the same number of steps, and can resume mid-epoch
+        (:class:`~colossalai.data.ResumableDistributedSampler`).
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        sampler = ResumableDistributedSampler(
+            dataset, num_replicas=self.dp_size(), rank=self.dp_rank(), shuffle=shuffle, seed=seed
+        )
+        kwargs.setdefault("drop_last", True)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+
+    # ---- training-step hooks -----------------------------------------------------------------
+    def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
+        """Context in which backward passes accumulate gradients without communication."""
+        return contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the plugin's wrapper."""
+        return model
+
+    # ---- state (keys are the original module's parameter names) -------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """Sharded-or-full model state for ``torch.distributed.checkpoint`` (canonical names)."""
+        return dcp_sd.get_model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
+        """Load what :meth:`model_state_dict` produced (possibly resharded by DCP)."""
+        dcp_sd.set_model_state_dict(model, state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Optimizer state keyed by parameter names, for ``torch.distributed.checkpoint``."""
+        return dcp_sd.get_optimizer_state_dict(model, optimizer)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load what :meth:`optimizer_state_dict` produced."""
+        dcp_sd.set_optimizer_state_dict(model, optimizer, state)
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model, unsharded, on the CPU of rank 0 (other ranks may get an empty dict)."""
+        options = dcp_sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dcp_sd.get_model_state_dict(model, options=options)
+
+    def named_parameters_for_clip(self, model: nn.Module) -> Iterator[torch.Tensor]:
+        """Parameters whose gradients ``clip_grad_norm`` acts on."""
+        return iter(model.parameters())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,110 @@
+"""What ``Booster.boost`` hands back: a model that runs under autocast and an optimizer that owns
+the backward pass (loss scaling, unscale-once, skip on overflow, gradient clipping)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from colossalai.booster.precision import Precision
+
+__all__ = ["BoostedModel", "BoostedOptimizer"]
+
+
+class BoostedModel(nn.Module):
+    """Wraps the plugin's model (e.g. a ``DistributedDataParallel``); forward runs under autocast.
+
+    ``unwrap()`` gives back the user's original module.
+    """
+
+    def __init__(self, module: nn.Module, original: nn.Module, precision: Precision, device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        # Kept outside the module tree (no duplicate parameters in .parameters()).
+        self.__dict__["_original"] = original
+        self.precision = precision
+        self.device = device
+
+    def unwrap(self) -> nn.Module:
+        """The user's module, without plugin wrappers."""
+        return self._original
+
+    def forward(self, *args, **kwargs):
+        """Forward of the wrapped module, under autocast when the precision is not fp32."""
+        ctx = (
+            torch.autocast(self.device.type, dtype=self.precision.dtype)
+            if self.precision is not Precision.FP32
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            return self.module(*args, **kwargs)
+
+
+class BoostedOptimizer:
+    """Wraps a ``torch.optim.Optimizer``: ``backward(loss)``, ``step()``, ``zero_grad()``,
+    ``clip_grad_norm(max_norm)``; every other attribute is the wrapped optimizer's.
+
+    With a loss scaler (fp16) the loss is scaled in ``backward``; gradients are unscaled exactly
+    once per step (in ``clip_grad_norm`` or ``step``), and a step with a non-finite gradient is
+    skipped (``last_step_skipped``) while the scaler backs off.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, params: list | None = None) -> None:
+        self.optim = optimizer
+        self.scaler = scaler
+        self.params = params if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
+        self._unscaled = False
+        self.last_step_skipped = False
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["optim"], name)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()``, scaled when a loss scaler is present."""
+        if self.scaler is not None:
+            loss = self.scaler.scale_loss(loss)
+        loss.backward(**kwargs)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def _unscale(self) -> None:
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self._grads())
+        self._unscaled = True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the (unscaled) gradients to ``max_norm``; returns the total norm before clipping."""
+        self._unscale()
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type)
+
+    def step(self, *args, **kwargs) -> None:
+        """Unscale, then step unless a gradient overflowed (fp16); updates the loss scale."""
+        self._unscale()
+        found_inf = False
+        if self.scaler is not None:
+            grads = self._grads()
+            found_inf = bool(grads) and not all(torch.isfinite(g).all() for g in grads)
+            self.scaler.update(found_inf)
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            self.optim.step(*args, **kwargs)
+        self._unscaled = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients."""
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def unwrap(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self.optim
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load the wrapped optimizer's state dict."""
+        self.optim.load_state_dict(state)

@@ -1,0 +1,93 @@
+"""Crash-safe checkpoint directories: write into a hidden partial directory, rename when complete.
+
+[Note: atomic checkpoints]
+A checkpoint ``<root>/<name>`` is first written as ``<root>/.<name>.partial``. Only when every rank
+has finished (barrier) does rank 0 rename it into place (``os.replace`` of a directory is atomic on
+POSIX within one file system) and then rewrite ``<root>/latest`` (itself through a temporary file
+and ``os.replace``). A crash at any moment therefore leaves either the old ``latest`` pointing at
+a complete older checkpoint, or the new one complete; a stale ``.partial`` directory is removed by
+the next save. The root must be on a file system every rank sees (one host, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+
+import torch.distributed as dist
+
+__all__ = ["atomic_checkpoint_dir", "resolve_checkpoint", "read_latest", "LATEST"]
+
+LATEST = "latest"
+"""Name of the pointer file (holds the directory name of the newest complete checkpoint)."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _commit(partial: pathlib.Path, final: pathlib.Path) -> None:
+    """Move a complete checkpoint into place and point ``latest`` at it (rank 0 only)."""
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        os.replace(partial, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    tmp = final.parent / f".{LATEST}.tmp"
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, final.parent / LATEST)
+
+
+@contextlib.contextmanager
+def atomic_checkpoint_dir(root: str | os.PathLike, name: str):
+    """Yield a fresh partial directory to write into; publish it as ``root/name`` on success.
+
+    Every rank must enter; on an exception nothing is published (and the previous ``latest``
+    stays valid).
+    """
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"checkpoint name must be a plain directory name, got {name!r}")
+    root = pathlib.Path(root)
+    partial = root / f".{name}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    yield partial
+    _barrier()
+    if _rank() == 0:
+        _commit(partial, root / name)
+    _barrier()
+
+
+def read_latest(root: str | os.PathLike) -> pathlib.Path | None:
+    """The newest complete checkpoint under ``root`` (via ``latest``), or None."""
+    pointer = pathlib.Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = pathlib.Path(root) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> pathlib.Path:
+    """``path`` itself when it is a checkpoint, or the ``latest`` one when it is a checkpoint root."""
+    path = pathlib.Path(path)
+    if (path / LATEST).is_file():
+        latest = read_latest(path)
+        if latest is None:
+            raise FileNotFoundError(f"{path / LATEST} points at a checkpoint that does not exist")
+        return latest
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r} (neither a checkpoint nor a root with '{LATEST}')")
+    return path

@@ -1,0 +1,58 @@
+"""The non-tensor half of a whole-run checkpoint: step, data position, scheduler, loss scaler,
+RNG states (one file per rank) and user extras."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["capture_rng", "restore_rng", "save_rng", "load_rng", "RUN_FILE"]
+
+RUN_FILE = "run_state.pt"
+"""File (written by rank 0) holding step, data position, scheduler/scaler states and extras."""
+
+
+def capture_rng() -> dict:
+    """Python, torch CPU and (when present) CUDA generator states of this process."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Inverse of :func:`capture_rng` (missing entries are left alone)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_rng(folder: str | os.PathLike) -> None:
+    """Write this rank's RNG state to ``folder/rng/rank<r>.pt``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = pathlib.Path(folder) / "rng"
+    path.mkdir(exist_ok=True)
+    torch.save(capture_rng(), path / f"rank{rank}.pt")
+
+
+def load_rng(folder: str | os.PathLike) -> None:
+    """Restore this rank's RNG state; a rank the saving run did not have takes rank 0's."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = pathlib.Path(folder) / "rng"
+    own = path / f"rank{rank}.pt"
+    restore_rng(torch.load(own if own.exists() else path / "rank0.pt", weights_only=False))

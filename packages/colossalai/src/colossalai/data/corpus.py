@@ -1,0 +1,54 @@
+"""The embedded default corpus: the Python standard library's own source, as bytes.
+
+Every Python installation carries a few megabytes of well-formed, varied text (code, docstrings,
+comments) in ``sysconfig.get_paths()["stdlib"]``. Read in sorted path order and tokenised at
+byte level (vocabulary 256), it is a corpus that needs no download and no tokenizer, and is the
+same on every machine with the same Python version.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+
+import torch
+
+__all__ = ["stdlib_files", "load_corpus", "encode", "decode", "VOCAB_SIZE"]
+
+VOCAB_SIZE = 256
+"""Byte-level vocabulary: token id == byte value."""
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+
+
+def stdlib_files(root: str | pathlib.Path | None = None) -> list[pathlib.Path]:
+    """The ``.py`` files of the standard library (tests and third-party packages excluded), sorted."""
+    root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ValueError(f"standard library directory {str(root)!r} does not exist")
+    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def load_corpus(max_bytes: int = 4_000_000, root: str | pathlib.Path | None = None) -> torch.Tensor:
+    """Concatenate standard-library sources (file order sorted) up to ``max_bytes``; returns uint8 (N,)."""
+    if max_bytes <= 1:
+        raise ValueError(f"max_bytes must be > 1, got {max_bytes}")
+    chunks, total = [], 0
+    for path in stdlib_files(root):
+        data = path.read_bytes() + b"\n\n"
+        chunks.append(data[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+def encode(text: str) -> torch.Tensor:
+    """UTF-8 bytes of ``text`` as a long tensor (N,)."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    """Token ids (N,) back to text (invalid UTF-8 replaced)."""
+    return bytes(int(t) for t in tokens.flatten().tolist()).decode("utf-8", errors="replace")
