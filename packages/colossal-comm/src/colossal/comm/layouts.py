@@ -23,10 +23,11 @@ coordinate):
 * ``weight``: same ``a, c``, ``b`` varying; group rank = ``b``
 * ``output``: same ``a, b``, ``c`` varying; group rank = ``c``
 * ``input_x_weight``: same ``c``, ``(a, b)`` varying; group rank = ``a*q + b``
-* ``output_x_weight``: same ``a``, ``(c, b)`` varying; group rank = ``c*q + b``
+* ``output_x_weight``: same ``a``, ``(b, c)`` varying; group rank = ``b*q + c``
 
-Every group is created on every rank (``new_group`` is collective) through ``DeviceMesh``,
-once per mesh (``Mesh.layout`` caches).
+Group ranks always follow ascending global rank (torch sorts a group's members), which is what
+the "group rank" formulas above state. Every group is created on every rank (``new_group`` is
+collective) through ``DeviceMesh``, once per mesh (``Mesh.layout`` caches).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Layout3D:
     input_x_weight: ProcessGroup
     """Same ``c``, ``(a, b)`` varying."""
     output_x_weight: ProcessGroup
-    """Same ``a``, ``(c, b)`` varying."""
+    """Same ``a``, ``(b, c)`` varying."""
 
 
 def _side(p: int, power: int, what: str, axis: str, depth: int = 1) -> int:
@@ -144,7 +145,7 @@ def build_layout(mesh: Mesh, kind: str, axis: str, depth: int = 1):
                 "weight": ("b",),
                 "output": ("c",),
                 "input_x_weight": ("a", "b"),
-                "output_x_weight": ("c", "b"),
+                "output_x_weight": ("b", "c"),
             },
         )
         idx = mesh.coordinate(axis)

@@ -129,7 +129,7 @@ class Mesh:
     def product_group(self, *axes: str) -> ProcessGroup:
         """One group spanning several axes (e.g. ``("dp", "sp")`` for gradient reduction).
 
-        Group ranks are row-major over ``axes`` in the order given. Built once and cached.
+        Group ranks follow ascending global rank (torch sorts group members). Built once and cached.
         """
         for a in axes:
             self._check_axis(a)

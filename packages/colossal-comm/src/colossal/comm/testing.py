@@ -89,7 +89,11 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, stack_path,
                 timeout=datetime.timedelta(seconds=timeout),
             )
             target = fn.resolve() if isinstance(fn, _FnRef) else fn
-            results.put((rank, "ok", pickle.dumps(target(*args, **kwargs))))
+            value = pickle.dumps(target(*args, **kwargs))
+            # No rank may tear its connections down while a peer still talks to it (a late
+            # sub-group handshake would see "connection closed by peer"): meet once more.
+            dist.barrier()
+            results.put((rank, "ok", value))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             text = traceback.format_exc()
             try:
@@ -110,19 +114,6 @@ def _context(start_method: str):
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
     return ctx
-
-
-def _raise_failure(rank: int, payload: bytes | None, summary: str, text: str, others: list[str]) -> None:
-    cause = RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{text}" + "".join(others))
-    exc: BaseException | None = None
-    if payload is not None:
-        try:
-            exc = pickle.loads(payload)
-        except Exception:  # noqa: BLE001
-            exc = None
-    if not isinstance(exc, Exception):
-        exc = RankFailure(f"rank {rank} failed: {summary}")
-    raise exc from cause
 
 
 def _dump_stacks(procs: list, stack_paths: list[pathlib.Path]) -> str:
@@ -198,29 +189,56 @@ def _collect(procs, results, world_size, deadline, stack_paths, timeout) -> list
                     f"ranks {sorted(set(range(world_size)) - set(values))} of {world_size} did not finish "
                     f"within {timeout:.0f} s; every rank's stacks:{stacks}"
                 ) from None
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-            if dead:
-                raise RankFailure(f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting") from None
+            _raise_if_dead(procs, values, [])
             continue
         if status == "ok":
             values[rank] = pickle.loads(payload)
             continue
-        others = _other_failures(results, grace=0.3)
-        _raise_failure(rank, *payload, others=others)
+        failures = [(rank, payload), *_more_failures(results, grace=0.5)]
+        _raise_if_dead(procs, values, failures)
+        _raise_failure(failures)
     return [values[r] for r in range(world_size)]
 
 
-def _other_failures(results, grace: float) -> list[str]:
-    """Summaries of further ranks that fail within ``grace`` seconds (e.g. every rank raising)."""
-    lines, end = [], time.monotonic() + grace
+def _raise_if_dead(procs, values: dict, failures: list) -> None:
+    """A rank that exited non-zero without reporting is the root cause of whatever followed."""
+    reported = set(values) | {r for r, _ in failures}
+    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+    if dead:
+        others = "".join(f"\n--- rank {r} then failed: {payload[1]}" for r, payload in failures)
+        raise RankFailure(f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting{others}")
+
+
+def _more_failures(results, grace: float) -> list[tuple[int, tuple]]:
+    """Further ranks that fail within ``grace`` seconds (e.g. every rank raising)."""
+    found, end = [], time.monotonic() + grace
     while (left := end - time.monotonic()) > 0:
         try:
             rank, status, payload = results.get(timeout=left)
         except queue.Empty:
             break
         if status == "error":
-            lines.append(f"\n--- rank {rank} also failed: {payload[1]}")
-    return lines
+            found.append((rank, payload))
+    return found
+
+
+def _raise_failure(failures: list[tuple[int, tuple]]) -> None:
+    """Re-raise the root-cause exception: peers of a failed rank usually fail with gloo's
+    "connection closed/reset by peer", so a rank without such a message is preferred."""
+    secondary = ("by peer", "Connection closed", "Connection reset")
+    failures = sorted(failures, key=lambda f: any(m in f[1][1] for m in secondary))
+    rank, (payload, summary, text) = failures[0]
+    others = "".join(f"\n--- rank {r} also failed: {p[1]}" for r, p in failures[1:])
+    cause = RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{text}{others}")
+    exc: BaseException | None = None
+    if payload is not None:
+        try:
+            exc = pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - fall back to a RankFailure carrying the text
+            exc = None
+    if not isinstance(exc, Exception):
+        exc = RankFailure(f"rank {rank} failed: {summary}")
+    raise exc from cause
 
 
 def distributed_test(
