@@ -1,0 +1,75 @@
+"""The pair stack shared by Evoformer, Extra-MSA and template blocks: triangle updates, triangle
+attention and the pair transition, applied in a configurable order with DAP layout switches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fastfold.model.transition import PairTransition
+from fastfold.model.triangle import (
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
+from fastfold.ops import bias_dropout_add
+
+__all__ = ["PairStack", "residual_update", "EVOFORMER_PAIR_ORDER", "TEMPLATE_PAIR_ORDER"]
+
+EVOFORMER_PAIR_ORDER = ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end", "pair_transition")
+"""Order of the pair updates in an Evoformer block (Algorithm 6, lines 6-10)."""
+TEMPLATE_PAIR_ORDER = ("tri_att_start", "tri_att_end", "tri_mul_out", "tri_mul_in", "pair_transition")
+"""Order of the pair updates in a template pair block (Algorithm 16)."""
+
+# Axis each update needs local under DAP ("row": dim -3 split, "col": dim -2 split, None: either),
+# and the axis its dropout mask is shared along (row-wise: -3, column-wise: -2).
+_LAYOUT = {"tri_mul_out": "row", "tri_att_start": "row", "tri_mul_in": "col", "tri_att_end": "col"}
+_SHARED = {"tri_mul_out": -3, "tri_att_start": -3, "tri_mul_in": -2, "tri_att_end": -2}
+
+
+def residual_update(x: torch.Tensor, update: Callable, p: float, training: bool, shared_dim, inplace: bool):
+    """``x + dropout(update(None))``, or ``update(x)`` adding into ``x`` in place (inference)."""
+    if inplace:
+        return update(x)
+    return bias_dropout_add(update(None), x, p, training, shared_dim)
+
+
+class PairStack(nn.Module):
+    """Triangle multiplicative updates, triangle attentions and the pair transition."""
+
+    def __init__(self, c_z, c_hidden_mul, c_hidden_att, no_heads, transition_n, dropout, inf, order):
+        super().__init__()
+        self.order, self.dropout = tuple(order), dropout
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
+        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_att, no_heads, inf)
+        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_att, no_heads, inf)
+        self.pair_transition = PairTransition(c_z, transition_n)
+
+    def _step(self, name, z, mask, chunk_size, inplace, dap):
+        module = getattr(self, name)
+        if name == "pair_transition":
+            fn = lambda acc: module(z, mask, chunk_size, accumulate_into=acc)
+            return residual_update(z, fn, 0.0, self.training, None, inplace)
+        fn = lambda acc: module(z, mask, chunk_size, dap=dap, accumulate_into=acc)
+        return residual_update(z, fn, self.dropout, self.training, _SHARED[name], inplace)
+
+    def forward(self, z, pair_mask, chunk_size=None, inplace=False, dap=None) -> torch.Tensor:
+        """``z`` [*, R, R, c_z] (rows local under DAP), ``pair_mask`` [*, R, R] (whole) -> new ``z``
+        in the same layout."""
+        layout = "row"
+        for name in self.order:
+            want = _LAYOUT.get(name, layout)
+            if dap is not None and want != layout:
+                with torch.profiler.record_function("fastfold.dap::pair_all_to_all"):
+                    z = dap.all_to_all(z, -2, -3) if want == "col" else dap.all_to_all(z, -3, -2)
+                layout = want
+            mask = pair_mask if dap is None else dap.local(pair_mask, -2 if layout == "row" else -1)
+            with torch.profiler.record_function(f"fastfold::{name}"):
+                z = self._step(name, z, mask, chunk_size, inplace, dap)
+        if dap is not None and layout == "col":
+            z = dap.all_to_all(z, -3, -2)
+        return z

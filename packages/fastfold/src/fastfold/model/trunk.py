@@ -1,0 +1,80 @@
+"""Input validation and the block loop shared by the Evoformer and Extra-MSA stacks: default
+masks, DAP padding and scatter/gather, activation checkpointing per block."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from fastfold.chunk import check_chunk_size
+from fastfold.parallel.dap import pad_axis
+
+__all__ = ["check_trunk_inputs", "run_trunk"]
+
+
+def _shape(t) -> tuple:
+    return tuple(getattr(t, "shape", ()))
+
+
+def check_trunk_inputs(m, z, msa_mask, pair_mask, c_m: int, c_z: int):
+    """Validate ``m`` [*, S, R, c_m] and ``z`` [*, R, R, c_z]; return the masks (ones by default)."""
+    for name, t in (("m", m), ("z", z)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 3:
+            raise TypeError(f"{name} must be a tensor with at least 3 dims, got {type(t).__name__} {_shape(t)}")
+    if m.shape[-1] != c_m:
+        raise ValueError(f"m: expected [*, S, R, c_m={c_m}], got {_shape(m)}")
+    n_seq, n_res = m.shape[-3], m.shape[-2]
+    want_z = (*m.shape[:-3], n_res, n_res, c_z)
+    if _shape(z) != want_z:
+        raise ValueError(f"z: expected {want_z} (batch dims of m, R={n_res}, c_z={c_z}), got {_shape(z)}")
+    msa_mask = m.new_ones(m.shape[:-1]) if msa_mask is None else msa_mask.to(m.dtype)
+    pair_mask = z.new_ones(z.shape[:-1]) if pair_mask is None else pair_mask.to(z.dtype)
+    if _shape(msa_mask) != _shape(m)[:-1]:
+        raise ValueError(
+            f"msa_mask: expected shape {_shape(m)[:-1]} ([*, S={n_seq}, R={n_res}]), got {_shape(msa_mask)}"
+        )
+    if _shape(pair_mask) != _shape(z)[:-1]:
+        raise ValueError(f"pair_mask: expected shape {_shape(z)[:-1]} ([*, R, R]), got {_shape(pair_mask)}")
+    return msa_mask, pair_mask
+
+
+def _check_modes(chunk_size, inplace, checkpoint, dap, n_res):
+    check_chunk_size(chunk_size)
+    if inplace and torch.is_grad_enabled():
+        raise ValueError("inplace=True is an inference mode: run it under torch.no_grad()/inference_mode()")
+    if inplace and checkpoint:
+        raise ValueError("inplace=True and checkpoint=True cannot be combined (checkpointing is for training)")
+    if dap is not None and dap.size > n_res:
+        raise ValueError(f"DAP size {dap.size} is larger than the number of residues {n_res}")
+
+
+def _enter_dap(dap, m, z, msa_mask, pair_mask):
+    s_pad, r_pad = dap.padded(m.shape[-3]), dap.padded(m.shape[-2])
+    m = pad_axis(pad_axis(m, -3, s_pad), -2, r_pad)
+    z = pad_axis(pad_axis(z, -3, r_pad), -2, r_pad)
+    msa_mask = pad_axis(pad_axis(msa_mask, -2, s_pad), -1, r_pad)  # padding is masked out
+    pair_mask = pad_axis(pad_axis(pair_mask, -2, r_pad), -1, r_pad)
+    return dap.scatter(m, -3), dap.scatter(z, -3), msa_mask, pair_mask
+
+
+def run_trunk(blocks, m, z, msa_mask, pair_mask, cfg, chunk_size, inplace, dap, checkpoint):
+    """Run ``blocks`` on whole inputs; returns whole ``(m, z, (msa_mask, pair_mask))``."""
+    msa_mask, pair_mask = check_trunk_inputs(m, z, msa_mask, pair_mask, cfg.c_m, cfg.c_z)
+    n_seq, n_res = m.shape[-3], m.shape[-2]
+    _check_modes(chunk_size, inplace, checkpoint, dap, n_res)
+    if inplace:
+        m, z = m.clone(), z.clone()  # never mutate the caller's tensors
+    if dap is not None:
+        with torch.profiler.record_function("fastfold.dap::scatter"):
+            m, z, msa_mask, pair_mask = _enter_dap(dap, m, z, msa_mask, pair_mask)
+    for block in blocks:
+        if checkpoint and torch.is_grad_enabled():
+            m, z = _checkpoint(block, m, z, msa_mask, pair_mask, chunk_size, False, dap, use_reentrant=False)
+        else:
+            m, z = block(m, z, msa_mask, pair_mask, chunk_size, inplace, dap)
+    if dap is not None:
+        with torch.profiler.record_function("fastfold.dap::gather"):
+            m = dap.gather_output(m, -3)[..., :n_seq, :n_res, :]
+            z = dap.gather_output(z, -3)[..., :n_res, :n_res, :]
+            msa_mask, pair_mask = msa_mask[..., :n_seq, :n_res], pair_mask[..., :n_res, :n_res]
+    return m, z, (msa_mask, pair_mask)
