@@ -5,12 +5,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from tp_gpt_reference import GPT, GPTConfig
 from tp_testing import assert_close
 
-from colossal.comm import Mesh
+from colossal.comm import Mesh, all_reduce
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import apply_1d, cross_entropy_1d, gpt_plan
+from colossal.tensor_parallel.sequence import all_reduce_gradients, apply_sequence, split_sequence
 
 CFG = dict(vocab_size=32, block_size=8, n_embd=16, n_layer=2, n_head=4)
 STEPS, LR = 3, 0.5
@@ -67,3 +69,27 @@ def _gpt_1d():
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_1d_training_matches_dense(world):
     run_distributed(_gpt_1d, world, timeout=120)
+
+
+def _gpt_sequence(dp, kind):
+    mesh = Mesh(axes={"dp": dp, "sp": -1})
+    sp, both = mesh.group("sp"), mesh.product_group("dp", "sp")
+    dense, model, batches = _setup(2)
+    apply_sequence(model, sp, gpt_plan("sequence"), kind=kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    got = []
+    for idx, tgt in batches:
+        mine = [split_sequence(x.chunk(dp)[mesh.coordinate("dp")], sp) for x in (idx, tgt)]
+        loss = torch.nn.functional.cross_entropy(model(mine[0]).flatten(0, 1), mine[1].flatten())
+        opt.zero_grad()
+        loss.backward()
+        all_reduce_gradients(model, both)  # mean over data and sequence shards
+        opt.step()
+        got.append(all_reduce(loss.detach(), group=both) / dist.get_world_size(both))
+    for step, (a, b) in enumerate(zip(got, _dense_losses(dense, batches))):
+        assert_close(a, b, f"sequence {kind} dp={dp} loss at step {step}")
+
+
+@pytest.mark.parametrize(("world", "dp", "kind"), [(2, 1, "all_to_all"), (4, 2, "ring")])
+def test_gpt_sequence_parallel_with_data_parallel(world, dp, kind):
+    run_distributed(_gpt_sequence, world, dp, kind, timeout=120)

@@ -20,9 +20,27 @@ from colossal.tensor_parallel.one_d import (
 )
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, replace_module, resolve_plan
 from colossal.tensor_parallel.rng import DropoutMode, ParallelDropout, RNGTracker
+from colossal.tensor_parallel.sequence import (
+    SequenceParallelAttention,
+    SequencePositionEmbedding,
+    all_reduce_gradients,
+    all_to_all_attention,
+    apply_sequence,
+    gather_sequence,
+    ring_attention,
+    split_sequence,
+)
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
+    "split_sequence",
+    "ring_attention",
+    "gather_sequence",
+    "apply_sequence",
+    "all_to_all_attention",
+    "all_reduce_gradients",
+    "SequencePositionEmbedding",
+    "SequenceParallelAttention",
     "DropoutMode",
     "Embedding1D",
     "LayerNorm1D",

@@ -1,0 +1,76 @@
+"""Sequence parallel attention (ring and all-to-all), causal and not: outputs and q/k/v
+gradients equal dense attention on 2 and 4 ranks; communication equals the documented formula."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tp_gpt_reference import CausalSelfAttention, GPTConfig
+from tp_testing import assert_close, counted
+
+from colossal.comm import CommCounter
+from colossal.comm.testing import run_distributed
+from colossal.tensor_parallel import sequence as S
+
+B, HEADS, T, D = 2, 4, 8, 4
+F32 = 4
+
+
+def _attention(p):
+    torch.manual_seed(0)
+    group, r = dist.group.WORLD, dist.get_rank()
+    t = T // p
+    block = B * HEADS * t * D * F32  # bytes of one rank's q (or k, v, out) chunk
+    expected = {  # docs "Sequence parallel": forward + backward
+        S.ring_attention: {"ring_exchange": 2 * 2 * (p - 1) * block},
+        S.all_to_all_attention: {"all_to_all": 2 * 4 * block},
+    }
+    with CommCounter() as counter:
+        for causal in (True, False):
+            q, k, v = (torch.randn(B, HEADS, T, D, requires_grad=True) for _ in range(3))
+            g = torch.randn(B, HEADS, T, D)
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(g)
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            for fn in (S.ring_attention, S.all_to_all_attention):
+                parts = [x.detach().chunk(p, dim=2)[r].clone().requires_grad_() for x in (q, k, v)]
+
+                def step(fn=fn, parts=parts, causal=causal, g=g):
+                    out = fn(*parts, group, causal=causal)
+                    out.backward(g.chunk(p, dim=2)[r])
+                    return out
+
+                out, nbytes = counted(counter, step)
+                name = f"{fn.__name__} causal={causal}"
+                assert_close(out, want.chunk(p, dim=2)[r], f"{name} output")
+                for x, part in zip((q, k, v), parts):
+                    assert_close(part.grad, x.grad.chunk(p, dim=2)[r], f"{name} grad")
+                assert nbytes == expected[fn], (name, nbytes)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_attention_matches_dense(world):
+    run_distributed(_attention, world, world, timeout=90)
+
+
+def _module_and_errors(kind):
+    torch.manual_seed(0)
+    group, r, p = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    dense = CausalSelfAttention(GPTConfig(n_embd=16, n_head=4))
+    x = torch.randn(B, T, 16, requires_grad=True)
+    dense(x).sum().backward()
+    par = S.SequenceParallelAttention.from_dense(dense, group, kind)
+    xp = S.split_sequence(x.detach(), group).requires_grad_()
+    out = par(xp)
+    assert_close(S.gather_sequence(out, group), dense(x), f"{kind} module output")
+    out.sum().backward()
+    assert_close(xp.grad, x.grad.chunk(p, dim=1)[r], f"{kind} module input grad")
+    with pytest.raises(ValueError, match="sequence length=6 must be divisible by the sequence group size=4"):
+        S.split_sequence(torch.zeros(2, 6), group)
+    if kind == "all_to_all":
+        with pytest.raises(ValueError, match="n_head=3 must be divisible by the sequence group size=4"):
+            S.SequenceParallelAttention(CausalSelfAttention(GPTConfig(n_embd=12, n_head=3)), group, kind)
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_sequence_attention_module(kind):
+    run_distributed(_module_and_errors, 4, kind, timeout=90)
