@@ -1,11 +1,29 @@
 """Colossal meta-package: Booster and plugins, CLI, checkpoints, models.
 
 ```python
-from colossalai import Booster, TorchDDPPlugin
+from colossalai import Booster, TorchDDPPlugin, TorchFSDPPlugin
 from colossalai.models import build_gpt
 ```
 """
 
-from colossalai.booster import BoostedModel, BoostedOptimizer, Booster, Plugin, Precision, RunState, TorchDDPPlugin
+from colossalai.booster import (
+    BoostedModel,
+    BoostedOptimizer,
+    Booster,
+    Plugin,
+    Precision,
+    RunState,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
 
-__all__ = ["Booster", "RunState", "Plugin", "TorchDDPPlugin", "Precision", "BoostedModel", "BoostedOptimizer"]
+__all__ = [
+    "Booster",
+    "RunState",
+    "Plugin",
+    "TorchDDPPlugin",
+    "TorchFSDPPlugin",
+    "Precision",
+    "BoostedModel",
+    "BoostedOptimizer",
+]

@@ -5,8 +5,9 @@ A checkpoint ``<root>/<name>`` is first written as ``<root>/.<name>.partial``. O
 has finished (barrier) does rank 0 rename it into place (``os.replace`` of a directory is atomic on
 POSIX within one file system) and then rewrite ``<root>/latest`` (itself through a temporary file
 and ``os.replace``). A crash at any moment therefore leaves either the old ``latest`` pointing at
-a complete older checkpoint, or the new one complete; a stale ``.partial`` directory is removed by
-the next save. The root must be on a file system every rank sees (one host, or a shared mount).
+a complete older checkpoint, or the new one complete; stale ``.partial`` directories are removed by
+the next save (one save at a time per root). The root must be on a file system every rank sees
+(one host, or a shared mount).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def atomic_checkpoint_dir(root: str | os.PathLike, name: str):
     partial = root / f".{name}.partial"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        for stale in root.glob(".*.partial"):  # left by an interrupted save
+            shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     _barrier()
     yield partial

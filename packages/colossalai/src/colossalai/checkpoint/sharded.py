@@ -6,10 +6,13 @@ checkpoint written by one plugin and world size is read by any other (DCP reshar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -30,9 +33,18 @@ def _state(plugin, model: nn.Module, optimizer) -> dict:
     return state
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes a single process when torch.distributed is off: that is intended."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None) -> None:
     """Write the model (and optimizer) state of every rank into ``folder/dcp``."""
-    with torch.profiler.record_function("colossalai.checkpoint::save_sharded"):
+    with torch.profiler.record_function("colossalai.checkpoint::save_sharded"), _quiet_single_process():
         dcp.save(_state(plugin, model, optimizer), checkpoint_id=str(pathlib.Path(folder) / DCP_SUBDIR))
 
 
@@ -41,7 +53,7 @@ def load_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=
     path = pathlib.Path(folder) / DCP_SUBDIR
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} holds no DCP checkpoint (missing .metadata)")
-    with torch.profiler.record_function("colossalai.checkpoint::load_sharded"):
+    with torch.profiler.record_function("colossalai.checkpoint::load_sharded"), _quiet_single_process():
         state = _state(plugin, model, optimizer)
         dcp.load(state, checkpoint_id=str(path))
         plugin.load_model_state_dict(model, state[MODEL_KEY])
