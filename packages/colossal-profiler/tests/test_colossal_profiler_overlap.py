@@ -1,8 +1,8 @@
 """Interval arithmetic and the compute/communication/overlap/idle split on a hand-made step."""
 
-from colossal.comm import CommEvent
 import torch
 
+from colossal.comm import CommEvent
 from colossal.profiler import CommRecord, Span, StepRecord, intersect, measure, step_figures, subtract, union
 
 

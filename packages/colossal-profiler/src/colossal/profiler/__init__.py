@@ -17,7 +17,7 @@ from colossal.profiler.memory import MemoryRecorder, device_allocated, model_byt
 from colossal.profiler.profiler import Profiler
 from colossal.profiler.records import ChunkMove, CommRecord, MemoryPoint, Span, StepRecord
 from colossal.profiler.summary import comm_by_op, comm_by_site, format_table
-from colossal.profiler.tbevents import EventWriter
+from colossal.profiler.tbevents import EventWriter, crc32c
 
 __all__ = [
     "Action",
@@ -36,6 +36,7 @@ __all__ = [
     "caller_of",
     "comm_by_op",
     "comm_by_site",
+    "crc32c",
     "device_allocated",
     "format_table",
     "intersect",
