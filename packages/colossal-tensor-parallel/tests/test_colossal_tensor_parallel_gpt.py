@@ -11,7 +11,7 @@ from tp_testing import assert_close
 
 from colossal.comm import Mesh, all_reduce
 from colossal.comm.testing import run_distributed
-from colossal.tensor_parallel import apply_1d, cross_entropy_1d, gpt_plan
+from colossal.tensor_parallel import Grid2D, apply_1d, apply_2d, cross_entropy_1d, cross_entropy_2d, gpt_plan
 from colossal.tensor_parallel.sequence import all_reduce_gradients, apply_sequence, split_sequence
 
 CFG = dict(vocab_size=32, block_size=8, n_embd=16, n_layer=2, n_head=4)
@@ -93,3 +93,13 @@ def _gpt_sequence(dp, kind):
 @pytest.mark.parametrize(("world", "dp", "kind"), [(2, 1, "all_to_all"), (4, 2, "ring")])
 def test_gpt_sequence_parallel_with_data_parallel(world, dp, kind):
     run_distributed(_gpt_sequence, world, dp, kind, timeout=120)
+
+
+def _gpt_2d():
+    mesh = Mesh(axes={"tp": 4})
+    grid = Grid2D.of(mesh.layout("2d", "tp"))
+    _check_training("2d", lambda m: apply_2d(m, mesh, gpt_plan("2d")), lambda lg, t: cross_entropy_2d(lg, t, grid))
+
+
+def test_gpt_2d_training_matches_dense():
+    run_distributed(_gpt_2d, 4, timeout=120)

@@ -30,9 +30,31 @@ from colossal.tensor_parallel.sequence import (
     ring_attention,
     split_sequence,
 )
+from colossal.tensor_parallel.two_d import (
+    Embedding2D,
+    Grid2D,
+    LayerNorm2D,
+    Linear2D,
+    VocabParallelEmbedding2D,
+    VocabParallelLMHead2D,
+    apply_2d,
+    cross_entropy_2d,
+    gather_output_2d,
+    split_input_2d,
+)
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
+    "apply_2d",
+    "cross_entropy_2d",
+    "gather_output_2d",
+    "split_input_2d",
+    "VocabParallelLMHead2D",
+    "VocabParallelEmbedding2D",
+    "Embedding2D",
+    "LayerNorm2D",
+    "Linear2D",
+    "Grid2D",
     "split_sequence",
     "ring_attention",
     "gather_sequence",
