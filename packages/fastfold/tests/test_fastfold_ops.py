@@ -1,0 +1,77 @@
+"""Fused operators: semantics of the pure-torch path, and the compiled path equal to it (float32,
+1e-5: Inductor reassociates the reductions of softmax/layer norm)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastfold.ops import (
+    OpsBackend,
+    bias_dropout_add,
+    get_ops_backend,
+    layer_norm,
+    mask_bias,
+    set_ops_backend,
+    sigmoid_gate,
+    softmax_with_biases,
+)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 7, generator=g)
+    bias = torch.randn(1, 3, 5, 7, generator=g)
+    mask = (torch.rand(2, 1, 1, 7, generator=g) > 0.3).float()
+    return x, bias, mask
+
+
+def test_softmax_with_biases_matches_definition():
+    x, bias, mask = _inputs()
+    out = softmax_with_biases(x, [bias, mask_bias(mask, 1e9)])
+    ref = torch.softmax(x + bias + 1e9 * (mask - 1), -1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert torch.all(out[mask.expand_as(out) == 0] == 0)
+    with pytest.raises(ValueError, match=r"biases\[0\] of shape \(4,\) does not broadcast"):
+        softmax_with_biases(x, [torch.zeros(4)])
+
+
+def test_layer_norm_and_gate():
+    x, bias, _ = _inputs()
+    w, b = torch.randn(7), torch.randn(7)
+    torch.testing.assert_close(layer_norm(x, w, b), F.layer_norm(x, (7,), w, b, 1e-5))
+    torch.testing.assert_close(sigmoid_gate(x, bias), torch.sigmoid(bias) * x)
+    with pytest.raises(ValueError, match="7 channels"):
+        layer_norm(x, torch.ones(6), torch.zeros(6))
+
+
+@pytest.mark.parametrize("shared_dim", [-3, -2])
+def test_bias_dropout_add_shares_mask(shared_dim):
+    torch.manual_seed(0)
+    x, res = torch.ones(6, 5, 4), torch.zeros(6, 5, 4)
+    out = bias_dropout_add(x, res, p=0.5, training=True, shared_dim=shared_dim)
+    kept = out != 0
+    assert torch.equal(kept, kept.narrow(shared_dim, 0, 1).expand_as(kept)), "mask must be shared along shared_dim"
+    assert set(out.unique().tolist()) <= {0.0, 2.0}
+    torch.testing.assert_close(bias_dropout_add(x, res, 0.5, training=False, bias=torch.ones(4)), x + 1)
+    with pytest.raises(ValueError, match="dropout p"):
+        bias_dropout_add(x, res, 1.0, True)
+
+
+def test_backend_selection_errors():
+    assert get_ops_backend() is OpsBackend.TORCH
+    with pytest.raises(ValueError, match="backend must be one of"):
+        set_ops_backend("cuda-magic")
+
+
+@pytest.mark.timeout(240)
+def test_compiled_path_equals_torch_path():
+    x, bias, mask = _inputs()
+    w, b = torch.randn(7), torch.randn(7)
+    eager = (softmax_with_biases(x, [bias, mask_bias(mask, 1e9)]), layer_norm(x, w, b), sigmoid_gate(x, bias))
+    set_ops_backend("compile")
+    try:
+        compiled = (softmax_with_biases(x, [bias, mask_bias(mask, 1e9)]), layer_norm(x, w, b), sigmoid_gate(x, bias))
+    finally:
+        set_ops_backend("torch")
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
