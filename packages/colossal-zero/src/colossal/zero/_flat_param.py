@@ -1,0 +1,120 @@
+"""One flat buffer of parameters split evenly over the shard group (a stage-1/2 bucket or one
+stage-3 unit's parameters of one optimizer param group).
+
+Layout (``N`` = shard group size, ``r`` = this rank)::
+
+    full  (padded,)          = [p0.flatten() | p1.flatten() | ... | zeros(pad)]
+    shard (padded // N,)     = full[r * shard_numel : (r + 1) * shard_numel]
+
+Each original parameter keeps its identity (optimizer, hooks, ``named_parameters`` still see it);
+only its ``.data`` is re-pointed: to a view of ``full`` while unsharded, to an empty tensor while
+sharded (stage 3).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["FlatParam", "ShardedState", "ParamSlice"]
+
+
+class ShardedState(enum.Enum):
+    """Which memory of a :class:`FlatParam` currently holds the parameter values."""
+
+    SHARDED = "sharded"
+    """Only the local shard is held; parameters point at empty tensors (stage 3 at rest)."""
+    GATHERING = "gathering"
+    """An asynchronous all-gather of the full buffer is in flight (prefetch)."""
+    UNSHARDED = "unsharded"
+    """The full buffer is held and parameters are views into it."""
+
+
+class ParamSlice(NamedTuple):
+    """The part of one parameter that lies inside this rank's shard."""
+
+    index: int
+    """Position of the parameter in :attr:`FlatParam.params`."""
+    param_start: int
+    """First element (of the flattened parameter) inside the shard."""
+    shard_start: int
+    """Where that element sits in the shard."""
+    numel: int
+    """Number of elements inside the shard (> 0)."""
+
+
+class FlatParam:
+    """Bookkeeping for one flat, evenly sharded buffer of parameters."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], group_index: int | None, world: int, rank: int):
+        self.params = params
+        self.names = names
+        self.group_index = group_index
+        """Index of the optimizer param group owning these parameters (``None``: not optimized)."""
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.padded_numel = -(-self.numel // world) * world
+        self.shard_numel = self.padded_numel // world
+        self.shard_start = rank * self.shard_numel
+        self.world, self.rank = world, rank
+        self.state = ShardedState.UNSHARDED
+        self.full: torch.Tensor | None = None  # (padded_numel,) while unsharded
+        self.shard: torch.Tensor | None = None  # (shard_numel,) stage 3's persistent local shard
+        self.master: torch.Tensor | None = None  # (shard_numel,) fp32, the optimizer's parameter
+        self.full_grad: torch.Tensor | None = None  # (padded_numel,) local gradient accumulation
+        self.shard_grad: torch.Tensor | None = None  # (shard_numel,) sum over ranks of the gradients
+        self.ready: set[int] = set()  # params whose gradient arrived in this backward
+        # Parameters whose gradients are reduced here (none for buffers outside the optimizer).
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad] if group_index is not None else []
+        self.master_aliased = False  # master is the (fp32) shard of the working parameters itself
+        self.unit = None  # stage 3: the Unit owning this buffer
+
+    def flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new padded flat copy of the parameters' current values."""
+        full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            full[off : off + n].copy_(p.detach().reshape(-1))
+        return full
+
+    def local(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice (a view) of a ``(padded_numel,)`` tensor."""
+        return flat[self.shard_start : self.shard_start + self.shard_numel]
+
+    def to_unsharded(self, full: torch.Tensor) -> None:
+        """Hold ``full`` and point every parameter at its view of it."""
+        assert full.numel() == self.padded_numel, (full.numel(), self.padded_numel)
+        self.full = full
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=True):
+            p.data = full[off : off + n].view(shape)
+        self.state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        """Drop the full buffer; parameters point at empty tensors (their shapes live here)."""
+        if self.state is not ShardedState.UNSHARDED:
+            raise RuntimeError(f"to_sharded from {self.state}, expected {ShardedState.UNSHARDED}")
+        dtype, device = self.full.dtype, self.full.device
+        for p in self.params:
+            p.data = torch.empty(0, dtype=dtype, device=device)
+        self.full = None
+        self.state = ShardedState.SHARDED
+
+    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into the flat local gradient buffer."""
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.padded_numel, dtype=grad.dtype, device=grad.device)
+        off, n = self.offsets[index], self.numels[index]
+        self.full_grad[off : off + n].add_(grad.reshape(-1))
+
+    def slices(self) -> list[ParamSlice]:
+        """The parts of each parameter inside this rank's shard, in order."""
+        out, lo, hi = [], self.shard_start, self.shard_start + self.shard_numel
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels, strict=True)):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append(ParamSlice(i, a - off, a - lo, b - a))
+        return out

@@ -1,0 +1,96 @@
+"""Configuration of the ZeRO engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+__all__ = ["ZeroConfig", "ShardStrategy"]
+
+
+class ShardStrategy(enum.IntEnum):
+    """What is partitioned over the data-parallel shard group (the ZeRO stages)."""
+
+    OPTIMIZER = 1
+    """Stage 1 (P_os): fp32 master weights and optimizer states; full gradients kept on every rank."""
+    GRADIENTS = 2
+    """Stage 2 (P_os+g): also gradients (each bucket is reduce-scattered, then freed)."""
+    PARAMETERS = 3
+    """Stage 3 (P_os+g+p): also parameters (gathered per module just before use, freed after)."""
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ZeroConfig:
+    """Everything :class:`~colossal.zero.ZeroOptimizer` can be told; validated on construction."""
+
+    stage: int = 2
+    """ZeRO stage: 1, 2 or 3 (see :class:`ShardStrategy`)."""
+    group: ProcessGroup | None = None
+    """Shard group (data-parallel ranks that split the model states); ``None`` = the world."""
+    replicate_group: ProcessGroup | None = None
+    """Optional outer replicate group (HSDP): shards are identical across it and gradients are
+    all-reduced over it after the reduce-scatter. Stages 2 and 3 only."""
+    param_dtype: torch.dtype = torch.float32
+    """Dtype of the working parameters and of gradient communication (fp32, fp16 or bf16).
+    Master weights and optimizer states are always fp32."""
+    initial_scale: float = 2.0**16
+    """fp16 only: initial dynamic loss scale."""
+    growth_interval: int = 1000
+    """fp16 only: clean steps between loss-scale growths."""
+    hysteresis: int = 2
+    """fp16 only: overflows tolerated before the scale backs off."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm (over all shards) to this value; ``None`` = no clipping."""
+    offload: bool = False
+    """ZeRO-Offload: fp32 master shards, their gradients and optimizer states on the CPU; the
+    optimizer step runs there (use ``colossal.optim.HybridAdam``/``CPUAdam``)."""
+    bucket_numel: int = 2**22
+    """Stages 1/2: maximum elements per gradient bucket (one reduce-scatter each)."""
+    max_inflight: int = 2
+    """Gradient reductions allowed in flight before the oldest is waited on (bounds memory)."""
+    wrap_policy: Callable[[nn.Module], bool] | tuple[type[nn.Module], ...] | None = None
+    """Stage 3: which submodules get their own gather/free unit (a predicate or module types);
+    ``None`` = every child of every ``nn.ModuleList``. The root is always a unit."""
+    prefetch: bool = True
+    """Stage 3: start gathering the next unit while the current one computes."""
+    sync_module_states: bool = True
+    """Broadcast the parameters from rank 0 at construction so every rank starts identical."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.param_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"param_dtype must be one of {_FLOAT_DTYPES}, got {self.param_dtype}")
+        for name in ("group", "replicate_group"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, ProcessGroup):
+                raise TypeError(f"{name} must be a ProcessGroup or None, got {type(value).__name__}")
+        if self.replicate_group is not None and self.stage == 1:
+            raise NotImplementedError("replicate_group (HSDP) is supported with stage 2 and 3, got stage 1")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.bucket_numel < 1 or self.max_inflight < 1:
+            raise ValueError(
+                f"bucket_numel and max_inflight must be >= 1, got {self.bucket_numel} and {self.max_inflight}"
+            )
+        if self.initial_scale <= 0:
+            raise ValueError(f"initial_scale must be positive, got {self.initial_scale}")
+
+    @property
+    def strategy(self) -> ShardStrategy:
+        """The stage as a :class:`ShardStrategy`."""
+        return ShardStrategy(self.stage)
+
+    def world(self) -> tuple[int, int]:
+        """``(shard group size, replicate group size)``."""
+        rep = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        return dist.get_world_size(self.group), rep

@@ -1,0 +1,293 @@
+"""The public engine: :class:`ZeroOptimizer` wraps any ``torch.optim.Optimizer`` and a model.
+
+[Note: the optimizer contract]
+The user builds their optimizer over ``model.parameters()`` as usual. The wrapper groups the
+parameters into flat buffers (stage 1/2: buckets per param group; stage 3: per unit and param
+group), keeps one fp32 *master* shard per buffer and re-points the optimizer's ``param_groups``
+at those masters (hyperparameters untouched), so any element-wise optimizer steps only this
+rank's ``1/N`` of the model. With fp32 working parameters and no offload the master *is* the
+shard of the working parameters (no copy), as in the paper's fp32 analogue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossal.comm import broadcast, group_ranks, register_observer
+from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
+from colossal.zero import _events, checkpoint
+from colossal.zero._flat_param import FlatParam
+from colossal.zero._reducer import GradReducer
+from colossal.zero._validate import validate
+from colossal.zero.config import ZeroConfig
+from colossal.zero.stage3 import Stage3Engine, Unit, assign_params, find_units
+from colossal.zero.stage12 import build_buckets, gather_updated_params
+
+__all__ = ["ZeroOptimizer"]
+
+
+def _duplicate_group(group):
+    """A second process group over the same ranks, so gradient reduce-scatters and parameter
+    all-gathers never share one ordered queue (they overlap, and their orders are independent).
+    Every rank of the world must call this together (as with every ``new_group``)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, group_ranks(group))
+    mine = None
+    for ranks in sorted(set(map(tuple, everyone))):
+        new = dist.new_group(list(ranks))
+        if dist.get_rank() in ranks:
+            mine = new
+    return mine
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1/2/3 around ``optimizer`` for ``model`` over a data-parallel group.
+
+    ``ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2)``; keyword arguments
+    are :class:`~colossal.zero.ZeroConfig` fields (or pass ``config=``). Stage 3 shards ``model``
+    in place (hooks gather each unit's parameters when needed). Loop: ``zero.backward(loss)``
+    (or ``loss.backward()`` when not using fp16), ``zero.step()``, ``zero.zero_grad()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, config: ZeroConfig | None = None, **kw):
+        if config is not None and kw:
+            raise TypeError(f"give either config= or keyword fields, not both (got {sorted(kw)})")
+        self.config = cfg = config if config is not None else ZeroConfig(**kw)
+        self.device = validate(optimizer, model, cfg)
+        self.optimizer, self.module = optimizer, model
+        self.world, self.replicas = cfg.world()
+        self.rank = dist.get_rank(cfg.group)
+        self._orig_groups = [list(g["params"]) for g in optimizer.param_groups]
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._reduce_group = _duplicate_group(cfg.group)
+        self.flats, self.units = self._build_flats()
+        for flat in self.flats:
+            self._materialize(flat)
+        for gi, group in enumerate(optimizer.param_groups):
+            group["params"] = [f.master for f in self.flats if f.group_index == gi]
+        self.reducer = GradReducer(self._reduce_order(), self._reduce_group, cfg.replicate_group, cfg.stage == 1,
+                                   cfg.max_inflight)  # fmt: skip
+        self.engine = Stage3Engine(self.units, cfg.group, cfg.prefetch) if cfg.stage == 3 else None
+        if self.engine is not None:
+            self.engine.reducer = self.reducer
+            self.reducer.on_complete = self.engine.on_flat_complete
+            self.reducer.on_backward_end = self.engine.on_backward_end
+        self.scaler = self._make_scaler()
+        self.skipped_steps = 0
+        """Steps skipped because a gradient was inf/NaN on some rank."""
+        self.last_grad_norm: torch.Tensor | None = None
+        """Global gradient norm of the last step (when ``max_grad_norm`` is set)."""
+        self.last_step_comm: dict[str, int] = {}
+        """Message bytes per collective (nccl-tests convention) issued by this engine in the last step."""
+        self._comm_now: dict[str, int] = defaultdict(int)
+        self._observer = register_observer(_CommTap(self))
+        model._colossal_zero = weakref.ref(self)
+
+    # -- construction ---------------------------------------------------------------------------
+    def _build_flats(self) -> tuple[list[FlatParam], list[Unit]]:
+        cfg = self.config
+        if cfg.stage != 3:
+            return build_buckets(self.optimizer, self._names, cfg.bucket_numel, self.world, self.rank), []
+        group_of = {p: gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        modules = find_units(self.module, cfg.wrap_policy)
+        units = []
+        for ui, (mod, params) in enumerate(zip(modules, assign_params(self.module, modules), strict=True)):
+            by_group: dict[int | None, list[nn.Parameter]] = {}
+            for p in params:
+                by_group.setdefault(group_of.get(p), []).append(p)
+            flats = [
+                FlatParam(ps, [self._names[p] for p in ps], gi, self.world, self.rank) for gi, ps in by_group.items()
+            ]
+            units.append(Unit(mod, flats, is_root=ui == 0))
+        return [f for u in units for f in u.flats], units
+
+    def _reduce_order(self) -> list[FlatParam]:
+        """Stage 3: units in reverse registration order (the usual backward order)."""
+        return self.flats if not self.units else [f for u in reversed(self.units) for f in u.flats]
+
+    def _materialize(self, flat: FlatParam) -> None:
+        cfg = self.config
+        full32 = flat.flatten(torch.float32, self.device)  # (padded_numel,)
+        if cfg.sync_module_states:
+            broadcast(full32, 0, cfg.group, tag="zero.sync_module_states")
+            if cfg.replicate_group is not None:
+                broadcast(full32, 0, cfg.replicate_group, tag="zero.sync_module_states")
+        full = full32 if cfg.param_dtype == torch.float32 else full32.to(cfg.param_dtype)
+        flat.to_unsharded(full)
+        own = flat.local(full)
+        if cfg.stage == 3:
+            flat.shard = own.clone()
+            flat.to_sharded()
+            own = flat.shard
+        if flat.group_index is None:
+            return
+        flat.master_aliased = cfg.param_dtype == torch.float32 and not cfg.offload
+        if flat.master_aliased:
+            flat.master = own
+        else:
+            flat.master = flat.local(full32).clone().to("cpu" if cfg.offload else self.device)
+            if cfg.offload and torch.cuda.is_available():
+                flat.master = flat.master.pin_memory()
+
+    def _make_scaler(self):
+        cfg = self.config
+        if cfg.param_dtype != torch.float16:
+            return ConstantLossScaler()
+        return DynamicLossScaler(
+            initial_scale=cfg.initial_scale, growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis
+        )
+
+    # -- the training loop ----------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's param groups (their ``params`` are the fp32 master shards)."""
+        return self.optimizer.param_groups
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled by the loss scale (fp16)."""
+        self.scaler.scale_loss(loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, without communication; the first
+        backward outside reduces everything accumulated (gradient accumulation)."""
+        self.reducer.sync = False
+        try:
+            yield
+        finally:
+            self.reducer.sync = True
+
+    def step(self, closure=None) -> bool:
+        """Unscale, check for inf/NaN (agreed by all ranks), clip, step the shards, publish the
+        updated parameters. Returns False when the step was skipped."""
+        if closure is not None:
+            raise NotImplementedError("ZeroOptimizer.step supports closure=None only")
+        with torch.profiler.record_function("colossal.zero::step"):
+            self.reducer.wait_all()
+            grads = self._master_grads()
+            if has_inf_or_nan(grads, self.config.group):
+                self.scaler.update(True)
+                self.skipped_steps += 1
+                self._finish_step()
+                return False
+            for g in grads:
+                g.mul_(1.0 / (self.world * self.replicas))  # gradients were summed over ranks
+            self.scaler.unscale_(grads)
+            if self.config.max_grad_norm is not None:
+                self.last_grad_norm = clip_grad_norm_(grads, self.config.max_grad_norm, group=self.config.group)
+            self.optimizer.step()
+            self.scaler.update(False)
+            self._publish_params()
+            self._finish_step()
+            return True
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for flat in self.reducer.flats:
+            g = self.reducer.sharded_grad(flat)  # (shard_numel,) summed over ranks
+            flat.master.grad = g if flat.master_aliased else g.to(device=flat.master.device, dtype=torch.float32)
+            grads.append(flat.master.grad)
+        return grads
+
+    def _publish_params(self) -> None:
+        masters = [f for f in self.flats if f.master is not None]
+        if self.config.stage != 3:
+            gather_updated_params(masters, self.config.group)
+            return
+        for flat in masters:
+            if not flat.master_aliased:
+                flat.shard.copy_(flat.master)
+
+    def _finish_step(self) -> None:
+        self.zero_grad()
+        self.last_step_comm, self._comm_now = dict(self._comm_now), defaultdict(int)
+        if _events.has_observers():
+            now, tiers = time.perf_counter(), self.memory_by_tier()
+            for tier, nbytes in tiers.items():
+                _events.emit(_events.MemorySample(time=now, tier=tier, model_bytes=nbytes, label="zero.step"))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients (the sharded ones and any left on parameters)."""
+        self.reducer.zero_grad()
+        for flat in self.flats:
+            if flat.master is not None:
+                flat.master.grad = None
+            for p in flat.params:
+                p.grad = None
+
+    # -- observability --------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now: ``params`` (working), ``grads``, ``optimizer_states``
+        (fp32 masters not aliased to the parameters + every optimizer state tensor), ``total``."""
+        return {k: sum(v.values()) for k, v in self._memory().items()} | {"total": sum(self.memory_by_tier().values())}
+
+    def memory_by_tier(self) -> dict[str, int]:
+        """Model-state bytes per memory tier (``"cuda"``/``"cpu"``)."""
+        out: dict[str, int] = defaultdict(int)
+        for per_tier in self._memory().values():
+            for tier, n in per_tier.items():
+                out[tier] += n
+        return dict(out)
+
+    def _memory(self) -> dict[str, dict[str, int]]:
+        out = {"params": defaultdict(int), "grads": defaultdict(int), "optimizer_states": defaultdict(int)}
+
+        def add(kind: str, t: torch.Tensor | None) -> None:
+            if t is not None:
+                out[kind]["cuda" if t.device.type == "cuda" else "cpu"] += t.numel() * t.element_size()
+
+        for flat in self.flats:
+            add("params", flat.full)
+            add("params", flat.shard)
+            add("grads", flat.full_grad)
+            add("grads", flat.shard_grad)
+            if flat.master is not None and not flat.master_aliased:
+                add("optimizer_states", flat.master)
+            for v in self.optimizer.state.get(flat.master, {}).values() if flat.master is not None else ():
+                add("optimizer_states", v if isinstance(v, torch.Tensor) else None)
+        return {k: dict(v) for k, v in out.items()}
+
+    # -- state ----------------------------------------------------------------------------------
+    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (fp32 master values), loadable by the plain model."""
+        return checkpoint.full_model_state_dict(self)
+
+    def state_dict(self) -> dict:
+        """The optimizer state in plain ``torch.optim`` form (full tensors, indices over the
+        original ``model.parameters()`` groups) plus ``"loss_scaler"``."""
+        return checkpoint.full_optimizer_state_dict(self)
+
+    def load_full_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a plain (unsharded) model state dict into the shards and working parameters."""
+        checkpoint.load_full_model_state_dict(self, state_dict)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a plain optimizer state dict (as :meth:`state_dict` or ``torch.optim`` writes it)."""
+        checkpoint.load_full_optimizer_state_dict(self, state_dict)
+
+    def save_sharded(self, path: str) -> None:
+        """Save model + optimizer shards with ``torch.distributed.checkpoint`` (any world size loads)."""
+        checkpoint.save_sharded(self, path)
+
+    def load_sharded(self, path: str) -> None:
+        """Load a checkpoint written by :meth:`save_sharded` on any number of ranks."""
+        checkpoint.load_sharded(self, path)
+
+
+class _CommTap:
+    """Comm observer adding this engine's collectives (tag ``zero.*``) to the current step."""
+
+    def __init__(self, zero: ZeroOptimizer):
+        self._zero = weakref.ref(zero)
+
+    def __call__(self, event) -> None:
+        zero = self._zero()
+        if zero is not None and event.tag.startswith("zero."):
+            zero._comm_now[event.op] += event.nbytes

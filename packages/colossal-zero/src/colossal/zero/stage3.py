@@ -1,0 +1,166 @@
+"""Stage 3: parameters sharded at rest, gathered per unit (a module) just before its forward and
+its backward, freed right after; the next unit's gather is started early (prefetch).
+
+[Note: units and hooks]
+A unit is the root module or a submodule picked by the wrap policy (default: each child of an
+``nn.ModuleList``, i.e. each transformer block). A parameter belongs to the innermost unit that
+contains it, or to the root when several units share it (tied weights). Hooks:
+
+* forward pre-hook: gather the unit (waiting on a prefetch if one is in flight), start
+  gathering the next unit in the recorded forward order;
+* forward hook: free the unit (the root stays gathered: its backward begins right away) and
+  hook the outputs' gradients, which fire just before the unit's backward;
+* output-gradient hook (pre-backward): gather the unit again, prefetch the previous one;
+* the gradient reducer calls back when every parameter of the unit has its gradient: the unit
+  is freed; the end-of-backward callback frees whatever is left (unused or frozen parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils._pytree import tree_flatten
+
+from colossal.comm import all_gather
+from colossal.zero._flat_param import FlatParam, ShardedState
+
+__all__ = ["Unit", "Stage3Engine", "find_units"]
+
+
+class Unit:
+    """One module's gather/free unit: its flat buffers (one per optimizer param group)."""
+
+    def __init__(self, module: nn.Module, flats: list[FlatParam], is_root: bool):
+        self.module, self.flats, self.is_root = module, flats, is_root
+        self.fwd_index: int | None = None  # position in the recorded forward order
+        self.in_backward = False  # gathered for this backward pass already
+        self.pending: dict[int, object] = {}  # flat index -> all-gather handle
+        self.frozen = any(len(f.trainable) < len(f.params) for f in flats)
+
+    def complete(self) -> bool:
+        """Every trainable parameter has its gradient for this backward pass."""
+        return all(len(f.ready) == len(f.trainable) for f in self.flats)
+
+
+def find_units(model: nn.Module, policy) -> list[nn.Module]:
+    """Root first, then the policy's submodules in registration order."""
+    if policy is None:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        picked = {id(c) for ml in lists for c in ml.children()}
+        return [model] + [m for m in model.modules() if id(m) in picked and m is not model]
+    pred = policy if callable(policy) and not isinstance(policy, tuple) else (lambda m: isinstance(m, policy))
+    return [model] + [m for m in model.modules() if m is not model and pred(m)]
+
+
+def assign_params(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """Parameters per unit (registration order): innermost owner, root for shared ones."""
+    owners: dict[nn.Parameter, set[int]] = {}
+    for ui, mod in enumerate(units[1:], start=1):
+        for p in mod.parameters():
+            owners.setdefault(p, set()).add(ui)
+    out: list[list[nn.Parameter]] = [[] for _ in units]
+    for p in model.parameters():
+        cands = owners.get(p, set())
+        inner = [u for u in cands if all(_contains(units[v], units[u]) for v in cands)]
+        out[inner[0] if inner else 0].append(p)
+    return out
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+class Stage3Engine:
+    """Installs and runs the stage-3 hooks over a list of :class:`Unit`."""
+
+    def __init__(self, units: list[Unit], group: ProcessGroup | None, prefetch: bool):
+        self.units, self.group, self.prefetch = units, group, prefetch
+        self.order: list[Unit] = []  # forward order, recorded during the first forward
+        self.order_frozen = False
+        self.reducer = None  # set by the optimizer; gives ensure_callback()
+        self._handles = []
+        for unit in units:
+            for flat in unit.flats:
+                flat.unit = unit
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+
+    # -- gather / free ------------------------------------------------------------------------
+    def start_unshard(self, unit: Unit) -> None:
+        """Issue the all-gathers of every sharded buffer of ``unit`` (asynchronously)."""
+        for i, flat in enumerate(unit.flats):
+            if flat.state is ShardedState.SHARDED:
+                with torch.profiler.record_function("colossal.zero::all_gather_params"):
+                    unit.pending[i] = all_gather(flat.shard, self.group, async_op=True, tag="zero.all_gather_params")
+                flat.state = ShardedState.GATHERING
+
+    def wait_unshard(self, unit: Unit) -> None:
+        """Gather ``unit`` (if needed) and wait: its parameters are full views afterwards."""
+        self.start_unshard(unit)
+        for i, flat in enumerate(unit.flats):
+            if flat.state is ShardedState.GATHERING:
+                flat.to_unsharded(unit.pending.pop(i).wait())  # (padded_numel,)
+
+    def reshard(self, unit: Unit) -> None:
+        """Free the full buffers of ``unit`` (only its shards remain)."""
+        for flat in unit.flats:
+            if flat.state is ShardedState.UNSHARDED:
+                flat.to_sharded()
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module, args):
+            if not self.order_frozen and unit.fwd_index is None:
+                unit.fwd_index = len(self.order)
+                self.order.append(unit)
+            self.wait_unshard(unit)
+            nxt = unit.fwd_index + 1 if unit.fwd_index is not None else None
+            if self.prefetch and self.order_frozen and nxt is not None and nxt < len(self.order):
+                self.start_unshard(self.order[nxt])
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if unit.is_root:
+                self.order_frozen = True
+            if not unit.is_root or not torch.is_grad_enabled():
+                self.reshard(unit)
+            if torch.is_grad_enabled():
+                unit.in_backward = False
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+            return output
+
+        return hook
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.reducer.ensure_callback()
+        if unit.in_backward:
+            return
+        unit.in_backward = True
+        self.wait_unshard(unit)
+        prev = unit.fwd_index - 1 if unit.fwd_index is not None else 0
+        if self.prefetch and prev >= 1:
+            self.start_unshard(self.order[prev])
+
+    def on_flat_complete(self, flat: FlatParam) -> None:
+        """Reducer callback: free the unit once all its gradients are in (none frozen)."""
+        unit = flat.unit
+        if not unit.frozen and unit.complete():
+            self.reshard(unit)
+
+    def on_backward_end(self) -> None:
+        """Free every unit still gathered (root, unused or frozen parameters)."""
+        for unit in self.units:
+            if any(f.state is ShardedState.GATHERING for f in unit.flats):
+                self.wait_unshard(unit)  # a prefetch whose backward never came
+            self.reshard(unit)
+            unit.in_backward = False
+
+    def remove(self) -> None:
+        """Unregister the module hooks."""
+        for h in self._handles:
+            h.remove()
