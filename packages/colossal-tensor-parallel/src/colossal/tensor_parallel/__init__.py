@@ -42,9 +42,31 @@ from colossal.tensor_parallel.two_d import (
     gather_output_2d,
     split_input_2d,
 )
+from colossal.tensor_parallel.two_p5_d import (
+    Embedding2p5D,
+    LayerNorm2p5D,
+    Linear2p5D,
+    VocabParallelEmbedding2p5D,
+    VocabParallelLMHead2p5D,
+    apply_2p5d,
+    cross_entropy_2p5d,
+    gather_output_2p5d,
+    grid_2p5d,
+    split_input_2p5d,
+)
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
+    "apply_2p5d",
+    "cross_entropy_2p5d",
+    "gather_output_2p5d",
+    "split_input_2p5d",
+    "grid_2p5d",
+    "VocabParallelLMHead2p5D",
+    "VocabParallelEmbedding2p5D",
+    "Embedding2p5D",
+    "LayerNorm2p5D",
+    "Linear2p5D",
     "apply_2d",
     "cross_entropy_2d",
     "gather_output_2d",

@@ -45,6 +45,7 @@ __all__ = [
     "split_input_2d",
     "gather_output_2d",
     "cross_entropy_2d",
+    "layer_factories",
     "apply_2d",
 ]
 
@@ -261,7 +262,8 @@ def cross_entropy_2d(logits: torch.Tensor, target: torch.Tensor, grid: Grid2D, r
     return vocab_parallel_cross_entropy(logits, target, grid.row, start, (grid.rows,), reduction)
 
 
-def _factories(grid: Grid2D) -> dict:
+def layer_factories(grid: Grid2D) -> dict:
+    """Style -> builder of the 2D layer on ``grid`` (shared with 2.5D)."""
     return {
         Style.COL: lambda m: Linear2D(m, grid),
         Style.ROW: lambda m: Linear2D(m, grid),
@@ -281,4 +283,4 @@ def apply_2d(model: nn.Module, layout: Layout2D | Mesh, plan: dict | None = None
         layout = layout.layout("2d", axis)
     grid = Grid2D.of(layout)
     with torch.profiler.record_function("colossal.tensor_parallel::apply_2d"):
-        return convert_model(model, plan or gpt_plan("2d"), _factories(grid), grid.q, "2d")
+        return convert_model(model, plan or gpt_plan("2d"), layer_factories(grid), grid.q, "2d")
