@@ -86,16 +86,17 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree, plus the import-arrow check."""
-    session.install("ruff>=0.6")
+    session.install("ruff>=0.6", "pytest>=8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", str(ROOT / "tools" / "check_arrows.py"))
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tools"))
 
 
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site strictly (warnings are errors)."""
-    session.install("-r", str(ROOT / "docs" / "requirements.txt"))
+    session.install("-r", str(ROOT / "requirements-docs.txt"))
     session.run("mkdocs", "build", "--strict", "--site-dir", str(pathlib.Path(session.create_tmp()) / "site"))
 
 

@@ -1,0 +1,34 @@
+"""The import-arrow checker finds undeclared, forbidden and private sibling imports."""
+
+import pathlib
+
+import check_arrows
+
+
+def _package(root: pathlib.Path, dist: str, module: str, deps: list[str], code: str) -> None:
+    d = root / dist
+    src = d / "src" / pathlib.Path(*module.split("."))
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text(code)
+    dep_list = ", ".join(f'"{x}"' for x in deps)
+    (d / "pyproject.toml").write_text(f'[project]\nname = "{dist}"\ndependencies = [{dep_list}]\n')
+
+
+def test_clean_tree_passes(tmp_path):
+    _package(tmp_path, "colossal-comm", "colossal.comm", ["torch"], "import torch\n")
+    _package(tmp_path, "colossal-zero", "colossal.zero", ["colossal-comm>=0.1"], "from colossal.comm import all_reduce\n")
+    assert check_arrows.violations(tmp_path) == []
+
+
+def test_undeclared_forbidden_and_private_imports_are_reported(tmp_path):
+    _package(tmp_path, "colossal-comm", "colossal.comm", [], "")
+    _package(tmp_path, "colossal-optim", "colossal.optim", ["colossal-comm"], "from colossal.comm._x import y\n")
+    _package(tmp_path, "colossal-profiler", "colossal.profiler", [], "import colossal.optim\n")
+    bad = "\n".join(check_arrows.violations(tmp_path))
+    assert "declares colossal-comm, an arrow ARCHITECTURE.md does not allow" in bad
+    assert "imports private colossal.comm._x of colossal-comm" in bad
+    assert "imports colossal.optim (colossal-optim) but colossal-profiler does not declare it" in bad
+
+
+def test_the_repository_itself_is_clean():
+    assert check_arrows.violations() == []
