@@ -30,6 +30,18 @@ from colossal.tensor_parallel.sequence import (
     ring_attention,
     split_sequence,
 )
+from colossal.tensor_parallel.three_d import (
+    Embedding3D,
+    Grid3D,
+    LayerNorm3D,
+    Linear3D,
+    VocabParallelEmbedding3D,
+    VocabParallelLMHead3D,
+    apply_3d,
+    cross_entropy_3d,
+    gather_output_3d,
+    split_input_3d,
+)
 from colossal.tensor_parallel.two_d import (
     Embedding2D,
     Grid2D,
@@ -57,6 +69,16 @@ from colossal.tensor_parallel.two_p5_d import (
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
+    "apply_3d",
+    "cross_entropy_3d",
+    "gather_output_3d",
+    "split_input_3d",
+    "VocabParallelLMHead3D",
+    "VocabParallelEmbedding3D",
+    "Embedding3D",
+    "LayerNorm3D",
+    "Linear3D",
+    "Grid3D",
     "apply_2p5d",
     "cross_entropy_2p5d",
     "gather_output_2p5d",
