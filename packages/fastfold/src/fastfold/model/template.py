@@ -64,6 +64,7 @@ class TemplatePairStack(nn.Module):
             mask = pad_axis(pad_axis(mask, -2, r_pad), -1, r_pad)
         for block in self.blocks:
             t = block(t, mask, chunk_size, inplace, dap)
+        t = self.layer_norm(t)  # position-wise: applied to the local rows under DAP
         if dap is not None:
             t = dap.gather_output(t, -3)[..., :n_res, :n_res, :]
-        return self.layer_norm(t)
+        return t
