@@ -16,7 +16,9 @@ def _package(root: pathlib.Path, dist: str, module: str, deps: list[str], code: 
 
 def test_clean_tree_passes(tmp_path):
     _package(tmp_path, "colossal-comm", "colossal.comm", ["torch"], "import torch\n")
-    _package(tmp_path, "colossal-zero", "colossal.zero", ["colossal-comm>=0.1"], "from colossal.comm import all_reduce\n")
+    _package(
+        tmp_path, "colossal-zero", "colossal.zero", ["colossal-comm>=0.1"], "from colossal.comm import all_reduce\n"
+    )
     assert check_arrows.violations(tmp_path) == []
 
 
