@@ -8,8 +8,10 @@ same on every machine with the same Python version.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sysconfig
+from collections.abc import Iterator
 
 import torch
 
@@ -21,13 +23,18 @@ VOCAB_SIZE = 256
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 
 
-def stdlib_files(root: str | pathlib.Path | None = None) -> list[pathlib.Path]:
-    """The ``.py`` files of the standard library (tests and third-party packages excluded), sorted."""
+def stdlib_files(root: str | pathlib.Path | None = None) -> Iterator[pathlib.Path]:
+    """The ``.py`` files of the standard library (tests and third-party packages excluded), in a
+    fixed order: a top-down walk with directory and file names sorted. Lazy, so that reading a
+    prefix of the corpus never lists the whole tree."""
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise ValueError(f"standard library directory {str(root)!r} does not exist")
-    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield pathlib.Path(dirpath, name)
 
 
 def load_corpus(max_bytes: int = 4_000_000, root: str | pathlib.Path | None = None) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""``colossalai run`` and the self-relaunch of ``colossalai train --nproc N``: thin layers over
+``torchrun`` (``python -m torch.distributed.run``).
+
+One host: ``torchrun --standalone --nproc-per-node N``. Several hosts (``--hostfile``, one host
+per line, optional ``slots=N``; ``#`` comments): the first host is the rendezvous master; this
+host's part runs locally, the others through ``ssh HOST 'cd CWD && torchrun ... --node-rank i'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shlex
+import socket
+import subprocess
+import sys
+
+__all__ = ["Host", "parse_hostfile", "torchrun_command", "run_script", "relaunch_under_torchrun"]
+
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Host:
+    """One line of a hostfile."""
+
+    name: str
+    """Host name or address."""
+    slots: int | None = None
+    """Processes to start there (None: ``--nproc-per-node``)."""
+
+
+def parse_hostfile(path: str | os.PathLike) -> list[Host]:
+    """Read ``host [slots=N]`` lines (blank lines and ``#`` comments ignored)."""
+    hosts = []
+    for lineno, raw in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *rest = line.split()
+        slots = None
+        for item in rest:
+            key, _, value = item.partition("=")
+            if key != "slots" or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{path}:{lineno}: expected 'host [slots=N]' with N >= 1, got {raw!r}")
+            slots = int(value)
+        hosts.append(Host(name, slots))
+    if not hosts:
+        raise ValueError(f"hostfile {path} names no host")
+    return hosts
+
+
+def torchrun_command(nproc: int, target: list[str], *, nnodes: int = 1, node_rank: int = 0, master: str | None = None,
+                     port: int = 29500, module: bool = False) -> list[str]:  # fmt: skip
+    """The ``python -m torch.distributed.run`` command line for one node."""
+    if nproc < 1:
+        raise ValueError(f"nproc per node must be >= 1, got {nproc}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if nnodes == 1 and master is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+        cmd += ["--master-addr", master or "127.0.0.1", "--master-port", str(port)]
+    return cmd + (["-m"] if module else []) + target
+
+
+def _is_local(host: str) -> bool:
+    return host in _LOCAL_NAMES or host in (socket.gethostname(), socket.getfqdn())
+
+
+def run_script(target: list[str], *, nproc: int, hostfile: str | None = None, port: int = 29500,
+               module: bool = False) -> int:  # fmt: skip
+    """Launch ``target`` (a script and its arguments) on every host; returns the worst exit code."""
+    if not target:
+        raise ValueError("colossalai run needs a script to run (e.g. colossalai run --nproc 2 train.py)")
+    if hostfile is None:
+        return subprocess.call(torchrun_command(nproc, target, module=module))
+    hosts = parse_hostfile(hostfile)
+    master = hosts[0].name
+    procs = []
+    for i, host in enumerate(hosts):
+        cmd = torchrun_command(host.slots or nproc, target, nnodes=len(hosts), node_rank=i, master=master,
+                               port=port, module=module)  # fmt: skip
+        if not _is_local(host.name):
+            remote = f"cd {shlex.quote(os.getcwd())} && {shlex.join(cmd)}"
+            cmd = ["ssh", "-o", "BatchMode=yes", host.name, remote]
+        procs.append(subprocess.Popen(cmd))
+    return max(p.wait() for p in procs)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` minus ``--nproc N`` / ``--nproc=N`` (workers must not relaunch, and torchrun's own
+    parser would find ``--nproc`` an ambiguous prefix of its options)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+    """Start ``colossalai <argv>`` again as ``nproc`` torchrun workers of this host."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = torchrun_command(nproc, ["colossalai.cli", *_without_nproc(argv)], module=True)
+    return subprocess.call(cmd, env=env)
+
+
+def under_launcher() -> bool:
+    """True inside a torchrun (or similar) worker."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ

@@ -1,0 +1,216 @@
+"""``colossalai train``: train a GPT on the embedded corpus with any plugin, show progress,
+log to TensorBoard, checkpoint, resume exactly, and finish with a summary and a sample."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from colossalai.booster import Booster, RunState
+from colossalai.booster.registry import make_plugin
+from colossalai.cli.meters import Meters, format_bytes
+from colossalai.cli.progress import TrainProgress, summary_table
+from colossalai.cli.train_args import parse_bytes
+from colossalai.data import corpus_dataset, decode, encode
+from colossalai.models import build_gpt, gpt_config
+
+__all__ = ["train", "criterion"]
+
+
+def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy: logits (B, T, V), targets (B, T) -> scalar (fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _plugin(args: argparse.Namespace):
+    kwargs = {}
+    budget = parse_bytes(args.device_budget)
+    if budget is not None:
+        if args.plugin != "gemini":
+            raise ValueError(f"--device-budget applies to --plugin gemini, got --plugin {args.plugin}")
+        kwargs["device_memory_budget"] = budget
+    return make_plugin(args.plugin, **kwargs)
+
+
+def _schedule(optim: torch.optim.Optimizer, warmup: int, total: int):
+    """Linear warm-up then cosine decay to 10% of the peak rate."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
+def _setup(args: argparse.Namespace):
+    """Booster, boosted model/optimizer/loader/scheduler, and the run state (resumed or fresh)."""
+    torch.manual_seed(args.seed)
+    booster = Booster(plugin=_plugin(args), mixed_precision=args.precision)
+    dp = booster.plugin.dp_size()
+    if args.batch_size % dp:
+        raise ValueError(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
+    seq_len = args.seq_len or gpt_config(args.preset).block_size
+    model = build_gpt(
+        args.preset, seed=args.seed, block_size=seq_len, activation_checkpointing=args.activation_checkpointing
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = _schedule(optim, args.warmup, args.steps)
+    loader = booster.prepare_dataloader(
+        corpus_dataset(seq_len, args.corpus_bytes), args.batch_size // dp, seed=args.seed
+    )
+    model, optim, _, loader, sched = booster.boost(model, optim, criterion, loader, sched)
+    state = RunState(extra={"args": vars(args)})
+    if args.resume:
+        state = booster.load_run(args.resume, model, optim, sched, dataloader=loader)
+    return booster, model, optim, loader, sched, state, seq_len
+
+
+def _batches(loader, state: RunState):
+    """Endless (x, y) batches; a new epoch reshuffles and resets the data position."""
+    while True:
+        yield from loader
+        state.epoch += 1
+        state.consumed_samples = 0
+        loader.sampler.set_epoch(state.epoch)
+
+
+def _mean_loss(loss: torch.Tensor, booster: Booster) -> float:
+    value = loss.detach().float().clone()
+    if dist.is_initialized() and booster.plugin.dp_size() > 1:
+        dist.all_reduce(value, group=getattr(booster.plugin, "dp_group", None))
+        value /= booster.plugin.dp_size()
+    return value.item()
+
+
+def _profiler(args, model, optim, tokens_per_step: int):
+    if not args.profile:
+        return contextlib.nullcontext()
+    from colossal.profiler import Profiler
+
+    return Profiler(model.unwrap(), optim.unwrap(), out_dir=args.profile, tokens_per_step=tokens_per_step)
+
+
+class _Logger:
+    """Rank 0's TensorBoard writer (or nothing)."""
+
+    def __init__(self, logdir: str | None, rank: int) -> None:
+        self.writer = None
+        if logdir and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(logdir)
+
+    def log(self, step: int, loss: float, lr: float, meters: Meters) -> None:
+        if self.writer is None:
+            return
+        self.writer.add_scalar("train/loss", loss, step)
+        self.writer.add_scalar("train/lr", lr, step)
+        self.writer.add_scalar("train/tokens_per_s", meters.tokens_per_s(), step)
+        self.writer.add_scalar("train/bytes_moved", meters.total_moved(), step)
+        for tier, nbytes in meters.memory().items():
+            self.writer.add_scalar(f"memory/{tier}", nbytes, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _step(booster, model, optim, sched, batch, args) -> torch.Tensor:
+    x, y = (t.to(booster.plugin.device) for t in batch)
+    with torch.profiler.record_function("colossalai.train::forward"):
+        loss = criterion(model(x), y)
+    with torch.profiler.record_function("colossalai.train::backward"):
+        booster.backward(loss, optim)
+    with torch.profiler.record_function("colossalai.train::optimizer"):
+        if args.grad_clip > 0:
+            booster.clip_grad_norm(optim, args.grad_clip)
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+    return loss
+
+
+def _loop(args, booster, model, optim, loader, sched, state, seq_len, rank):
+    meters = Meters().attach()
+    meters.count_ddp(model.module)
+    meters.start()
+    logger = _Logger(args.tensorboard, rank)
+    progress = TrainProgress(args.steps, state.step, mode=args.progress, log_every=args.log_every, enabled=rank == 0)
+    first = last = None
+    batches = _batches(loader, state)
+    try:
+        with _profiler(args, model, optim, args.batch_size * seq_len // booster.plugin.dp_size()) as prof:
+            while state.step < args.steps:
+                loss = _mean_loss(_step(booster, model, optim, sched, next(batches), args), booster)
+                state.step += 1
+                state.consumed_samples += args.batch_size
+                meters.tokens += args.batch_size * seq_len
+                first = loss if first is None else first
+                last = loss
+                progress.update(state.step, loss, meters)
+                logger.log(state.step, loss, sched.get_last_lr()[0], meters)
+                if prof is not None:
+                    prof.step()
+                if args.save_dir and args.save_every and state.step % args.save_every == 0:
+                    booster.save_run(args.save_dir, model, optim, sched, state=state)
+    finally:
+        meters.stop()
+        progress.close()
+        logger.close()
+        meters.detach()
+    return meters, first, last
+
+
+def _sample(model, n_tokens: int, seed: int) -> str:
+    """Greedy-ish continuation of a Python prompt, identical on every rank (sharded models need all)."""
+    gpt = model.unwrap()
+    gpt.eval()
+    prompt = encode("def ").view(1, -1).to(next(gpt.parameters()).device)
+    with torch.no_grad():
+        out = gpt.generate(prompt, n_tokens, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(seed))
+    gpt.train()
+    return decode(out[0].cpu())
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run ``colossalai train`` in this process (one rank of the job); returns the summary figures."""
+    from colossal.comm import launch
+
+    info = launch()
+    t0 = time.perf_counter()
+    booster, model, optim, loader, sched, state, seq_len = _setup(args)
+    start = state.step
+    meters, first, last = _loop(args, booster, model, optim, loader, sched, state, seq_len, info.rank)
+    if args.save_dir and (not args.save_every or state.step % args.save_every):
+        booster.save_run(args.save_dir, model, optim, sched, state=state)
+    if args.export:
+        booster.export_safetensors(model, args.export)
+    sample = _sample(model, args.sample_tokens, args.seed) if args.sample_tokens > 0 else ""
+    rows = {
+        "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
+        "model": f"GPT {args.preset}: {model.unwrap().config.num_parameters():,} parameters",
+        "steps": f"{start} -> {state.step}",
+        "loss": f"{first:.4f} -> {last:.4f}" if first is not None else "n/a",
+        "tokens/s": f"{meters.tokens_per_s():,.0f}",
+        "memory": ", ".join(f"{t}={format_bytes(b)}" for t, b in meters.memory().items()),
+        "bytes moved": format_bytes(meters.total_moved()),
+        "wall time": f"{time.perf_counter() - t0:.1f} s",
+        "checkpoint": str(args.save_dir or "-"),
+    }
+    if info.rank == 0:
+        from rich.console import Console
+
+        console = Console()
+        console.print(summary_table(rows))
+        if sample:
+            console.print("[bold]sample:[/bold]")
+            console.print(sample, markup=False, highlight=False)
+    return {**rows, "first_loss": first, "last_loss": last}

@@ -1,0 +1,52 @@
+"""Options of ``colossalai train``."""
+
+from __future__ import annotations
+
+import argparse
+
+from colossalai.booster.registry import PLUGINS
+from colossalai.models import PRESETS
+
+__all__ = ["add_train_arguments"]
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """Register every ``train`` option on ``p``."""
+    p.add_argument("--plugin", default="ddp", choices=sorted(PLUGINS), help="parallel layout (default ddp)")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="GPT size (default tiny)")
+    p.add_argument("--nproc", type=int, default=1, help="processes on this host (relaunches through torchrun)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="mixed precision")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps in total (default 200)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch size in sequences (default 16)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: preset block size)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps before cosine decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip gradient norm to this (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000, help="bytes of the embedded corpus to use")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--device-budget", type=str, default=None, help="device memory budget, e.g. 2GiB (gemini)")
+    p.add_argument("--save-dir", default=None, help="checkpoint root (step-N folders + 'latest')")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", default=None, help="checkpoint (or checkpoint root) to resume from exactly")
+    p.add_argument("--export", default=None, help="write a safetensors folder of the final model here")
+    p.add_argument("--profile", default=None, metavar="DIR", help="colossal.profiler traces and tables into DIR")
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help="TensorBoard scalars into DIR")
+    p.add_argument("--progress", default="auto", choices=["auto", "rich", "plain"], help="progress display")
+    p.add_argument("--log-every", type=int, default=10, help="plain progress: print every N steps")
+    p.add_argument("--sample-tokens", type=int, default=120, help="length of the generated sample at the end")
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'2GiB' / '512MB' / '1e9' -> bytes."""
+    if text is None:
+        return None
+    units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
+    s = text.strip().lower()
+    for unit, scale in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * scale)
+    try:
+        return int(float(s))
+    except ValueError:
+        raise ValueError(f"--device-budget must look like '2GiB', '512MB' or a byte count, got {text!r}") from None

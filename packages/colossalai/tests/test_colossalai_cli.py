@@ -1,0 +1,106 @@
+"""End-to-end ``colossalai`` CLI runs (subprocesses, few steps): progress output, TensorBoard log,
+checkpoints, exact resume (also under another plugin and world size), ``run`` and ``check``."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+TRAIN = ["train", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--corpus-bytes", "100000"]
+TRAIN += ["--progress", "plain", "--log-every", "1", "--sample-tokens", "8", "--warmup", "2"]
+
+
+def _cli(*args, cwd=None, timeout=240) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "colossalai.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def _losses(out: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"step (\d+)/\d+ loss ([0-9.]+)", out)}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    out = _cli(*TRAIN, "--steps", "6", "--save-every", "3", "--save-dir", str(root / "ckpt"), "--tensorboard",
+               str(root / "tb"))  # fmt: skip
+    return root, out
+
+
+def test_train_shows_progress_summary_sample_and_falling_loss(first_run):
+    _, out = first_run
+    losses = _losses(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert losses[6] < losses[1]
+    for column in ("tok/s", "mem[cpu=", "moved", "eta"):
+        assert column in out
+    assert "colossalai train" in out and "tokens/s" in out and "sample:" in out
+
+
+def test_train_writes_tensorboard_and_checkpoints(first_run):
+    root, _ = first_run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(root / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    ckpt = root / "ckpt"
+    assert (ckpt / "step-00000003" / "dcp" / ".metadata").is_file()
+    assert (ckpt / "latest").read_text().strip() == "step-00000006"
+
+
+def test_resume_is_exact(first_run, tmp_path):
+    root, out = first_run
+    resumed = _cli(*TRAIN, "--steps", "6", "--resume", str(root / "ckpt" / "step-00000003"))
+    got, ref = _losses(resumed), _losses(out)
+    assert sorted(got) == [4, 5, 6]
+    assert all(got[s] == ref[s] for s in got), (got, ref)
+
+
+def test_resume_under_fsdp_on_two_processes(first_run):
+    root, out = first_run
+    ckpt = str(root / "ckpt" / "step-00000003")
+    resumed = _cli(*TRAIN, "--steps", "6", "--plugin", "fsdp", "--nproc", "2", "--resume", ckpt)
+    got, ref = _losses(resumed), _losses(out)
+    assert sorted(got) == [4, 5, 6]
+    # Another world size changes only the reduction order: printed losses agree to ~1e-5.
+    assert all(abs(got[s] - ref[s]) < 1e-4 * ref[s] for s in got), (got, ref)
+    assert "fsdp x 2 process(es)" in resumed
+
+
+def test_run_launches_a_script_on_two_processes_and_via_hostfile(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import os, pathlib\npathlib.Path(f\"rank{os.environ['RANK']}of{os.environ['WORLD_SIZE']}\").touch()\n"
+    )
+    _cli("run", "--nproc", "2", str(script), cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0of2", "rank1of2"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# one host\nlocalhost slots=3\n")
+    _cli("run", "--hostfile", str(hostfile), "--master-port", "29731", str(script), cwd=tmp_path)
+    assert {"rank0of3", "rank1of3", "rank2of3"} <= {p.name for p in tmp_path.glob("rank*")}
+
+
+def test_check_reports_environment_and_smoke_test():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "colossalai.cli", "check"], capture_output=True, text=True,
+                          timeout=180, env=env)  # fmt: skip
+    assert "colossal-comm" in proc.stdout and "torch" in proc.stdout and "backends: gloo=yes" in proc.stdout
+    assert "smoke test: passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_bad_options_fail_clearly():
+    proc = subprocess.run([sys.executable, "-m", "colossalai.cli", "train", "--plugin", "nope"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and "invalid choice" in proc.stderr
