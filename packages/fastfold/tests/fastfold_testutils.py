@@ -8,6 +8,8 @@ import torch
 
 from fastfold import EvoformerConfig, ExtraMSAConfig, TemplatePairConfig
 
+torch.set_num_threads(1)  # the test machine is shared: no thread oversubscription
+
 D = torch.float64
 INF = 1e9
 
