@@ -60,6 +60,10 @@ class ZeroConfig:
     wrap_policy: Callable[[nn.Module], bool] | tuple[type[nn.Module], ...] | None = None
     """Stage 3: which submodules get their own gather/free unit (a predicate or module types);
     ``None`` = every child of every ``nn.ModuleList``. The root is always a unit."""
+    reshard_root: bool = False
+    """Stage 3: also free the root unit after forward (re-gathered for backward). Off by default,
+    like FSDP2: the root's backward starts right after its forward, so freeing it would only
+    add one gather (the paper's 3 psi per step counts it; with this off it is 3 psi - psi_root)."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit while the current one computes."""
     sync_module_states: bool = True

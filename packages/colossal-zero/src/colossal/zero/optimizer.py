@@ -74,7 +74,7 @@ class ZeroOptimizer:
             group["params"] = [f.master for f in self.flats if f.group_index == gi]
         self.reducer = GradReducer(self._reduce_order(), self._reduce_group, cfg.replicate_group, cfg.stage == 1,
                                    cfg.max_inflight)  # fmt: skip
-        self.engine = Stage3Engine(self.units, cfg.group, cfg.prefetch) if cfg.stage == 3 else None
+        self.engine = Stage3Engine(self.units, cfg.group, cfg.prefetch, cfg.reshard_root) if cfg.stage == 3 else None
         if self.engine is not None:
             self.engine.reducer = self.reducer
             self.reducer.on_complete = self.engine.on_flat_complete

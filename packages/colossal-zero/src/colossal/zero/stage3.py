@@ -74,8 +74,8 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
 class Stage3Engine:
     """Installs and runs the stage-3 hooks over a list of :class:`Unit`."""
 
-    def __init__(self, units: list[Unit], group: ProcessGroup | None, prefetch: bool):
-        self.units, self.group, self.prefetch = units, group, prefetch
+    def __init__(self, units: list[Unit], group: ProcessGroup | None, prefetch: bool, reshard_root: bool = False):
+        self.units, self.group, self.prefetch, self.reshard_root = units, group, prefetch, reshard_root
         self.order: list[Unit] = []  # forward order, recorded during the first forward
         self.order_frozen = False
         self.reducer = None  # set by the optimizer; gives ensure_callback()
@@ -125,7 +125,7 @@ class Stage3Engine:
         def hook(module, args, output):
             if unit.is_root:
                 self.order_frozen = True
-            if not unit.is_root or not torch.is_grad_enabled():
+            if not unit.is_root or self.reshard_root or not torch.is_grad_enabled():
                 self.reshard(unit)
             if torch.is_grad_enabled():
                 unit.in_backward = False
@@ -143,7 +143,7 @@ class Stage3Engine:
         unit.in_backward = True
         self.wait_unshard(unit)
         prev = unit.fwd_index - 1 if unit.fwd_index is not None else 0
-        if self.prefetch and prev >= 1:
+        if self.prefetch and (prev >= 1 or (prev == 0 and self.reshard_root)):
             self.start_unshard(self.order[prev])
 
     def on_flat_complete(self, flat: FlatParam) -> None:
