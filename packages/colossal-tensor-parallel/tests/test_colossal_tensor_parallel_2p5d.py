@@ -23,6 +23,7 @@ def _layers_and_gpt(depth):
             lambda m: apply_2p5d(m, mesh, gpt_plan("2.5d"), depth=depth),
             lambda lg, t: cross_entropy_2p5d(lg, t, grid),
             batch=4,
+            divisor=grid.q**2,  # weights replicated over depth: dense * d / P
         )
     with pytest.raises(ValueError, match="2.5d tensor parallel needs a group size of q\\^2\\*d; got 4 \\(depth d=2\\)"):
         apply_2p5d(GPT(GPTConfig()), Mesh(axes={"dp": dist.get_world_size() // 4, "tp": 4}), depth=2)

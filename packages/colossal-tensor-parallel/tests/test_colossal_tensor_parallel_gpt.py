@@ -7,11 +7,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from tp_gpt_reference import GPT, GPTConfig
-from tp_testing import assert_close
+from tp_testing import assert_close, param_bytes
 
 from colossal.comm import Mesh, all_reduce
 from colossal.comm.testing import run_distributed
-from colossal.tensor_parallel import Grid2D, apply_1d, apply_2d, cross_entropy_1d, cross_entropy_2d, gpt_plan
+from colossal.tensor_parallel import (
+    Grid2D,
+    RNGTracker,
+    apply_1d,
+    apply_2d,
+    cross_entropy_1d,
+    cross_entropy_2d,
+    gpt_plan,
+    parallelize,
+)
 from colossal.tensor_parallel.sequence import all_reduce_gradients, apply_sequence, split_sequence
 
 CFG = dict(vocab_size=32, block_size=8, n_embd=16, n_layer=2, n_head=4)
@@ -42,19 +51,31 @@ def _parallel_losses(model, batches, loss_fn):
     return losses
 
 
-def _setup(batch):
+def _setup(batch, **overrides):
     torch.manual_seed(0)
-    dense = GPT(GPTConfig(**CFG))
+    dense = GPT(GPTConfig(**{**CFG, **overrides}))
     idx = torch.randint(0, CFG["vocab_size"], (batch, 8))
     batches = [(idx, torch.roll(idx, -1, dims=1))] * STEPS  # same batch: the loss must fall
     return dense, copy.deepcopy(dense), batches
 
 
-def _check_training(mode, apply, loss_fn, batch=2):
-    dense, model, batches = _setup(batch)
+def _replicated_1d_bytes(model):
+    """1D keeps position embeddings, LayerNorms and row-parallel biases whole (docs "1D")."""
+    keep = ("wpe.", "ln_", "out_proj.bias", "fc_out.bias")
+    return sum(p.numel() * 4 for n, p in model.named_parameters() if any(k in n for k in keep))
+
+
+def _check_training(mode, apply, loss_fn, batch=2, divisor=None, dropout=0.0, seed=7):
+    """Train dense and parallel copies side by side; per-rank parameter bytes must be dense/divisor
+    (1D: the replicated parameters whole, the rest / P)."""
+    dense, model, batches = _setup(batch, dropout=dropout)
     apply(model)
     assert model.lm_head.weight is model.wte.weight, "tied embeddings must stay tied"
+    if divisor is not None:
+        rep = _replicated_1d_bytes(dense) if mode == "1d" else 0
+        assert param_bytes(model) == (param_bytes(dense) - rep) // divisor + rep, (mode, param_bytes(model))
     got = _parallel_losses(model, batches, loss_fn)
+    torch.manual_seed(seed)  # dense dropout draws from the same stream as the tracker's replicated one
     want = _dense_losses(dense, batches)
     for step, (a, b) in enumerate(zip(got, want)):
         assert_close(a, b, f"{mode} loss at step {step}")
@@ -63,12 +84,22 @@ def _check_training(mode, apply, loss_fn, batch=2):
 
 def _gpt_1d():
     group = Mesh(axes={"tp": -1}).group("tp")
-    _check_training("1d", lambda m: apply_1d(m, group, gpt_plan("1d")), lambda lg, t: cross_entropy_1d(lg, t, group))
+    p = dist.get_world_size(group)
+    _check_training(
+        "1d", lambda m: apply_1d(m, group, gpt_plan("1d")), lambda lg, t: cross_entropy_1d(lg, t, group), divisor=p
+    )
+    # with dropout: 1D activations are replicated, so the tracker's shared stream reproduces the
+    # dense model's masks exactly (same seed, same calls in the same order)
+    _check_training(
+        "1d",
+        lambda m: parallelize(m, "1d", group, rng=RNGTracker(7, dist.get_rank(group))),
+        lambda lg, t: cross_entropy_1d(lg, t, group),
+        dropout=0.2,
+    )
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gpt_1d_training_matches_dense(world):
-    run_distributed(_gpt_1d, world, timeout=120)
+def test_gpt_1d_training_matches_dense():
+    run_distributed(_gpt_1d, 2, timeout=120)
 
 
 def _gpt_sequence(dp, kind):
@@ -98,7 +129,9 @@ def test_gpt_sequence_parallel_with_data_parallel(world, dp, kind):
 def _gpt_2d():
     mesh = Mesh(axes={"tp": 4})
     grid = Grid2D.of(mesh.layout("2d", "tp"))
-    _check_training("2d", lambda m: apply_2d(m, mesh, gpt_plan("2d")), lambda lg, t: cross_entropy_2d(lg, t, grid))
+    _check_training(
+        "2d", lambda m: apply_2d(m, mesh, gpt_plan("2d")), lambda lg, t: cross_entropy_2d(lg, t, grid), divisor=4
+    )
 
 
 def test_gpt_2d_training_matches_dense():

@@ -18,6 +18,7 @@ from colossal.tensor_parallel.one_d import (
     gather_output_1d,
     split_input_1d,
 )
+from colossal.tensor_parallel.parallelize import MODES, convert_dropouts, dropout_mode, parallelize
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, replace_module, resolve_plan
 from colossal.tensor_parallel.rng import DropoutMode, ParallelDropout, RNGTracker
 from colossal.tensor_parallel.sequence import (
@@ -69,6 +70,10 @@ from colossal.tensor_parallel.two_p5_d import (
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
+    "dropout_mode",
+    "convert_dropouts",
+    "parallelize",
+    "MODES",
     "apply_3d",
     "cross_entropy_3d",
     "gather_output_3d",
