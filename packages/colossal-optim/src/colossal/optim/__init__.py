@@ -4,8 +4,12 @@
 sharded gradient norm/clip, so that logic exists once.
 """
 
+from .adam import CPUAdam, HybridAdam
 from .grad_norm import clip_grad_norm_, grad_norm, group_norm_reducer, has_inf_or_nan
+from .lamb import Lamb
+from .lars import Lars
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
+from .param_groups import large_batch_param_groups
 
 __all__ = [
     "DynamicLossScaler",
@@ -14,4 +18,9 @@ __all__ = [
     "grad_norm",
     "clip_grad_norm_",
     "group_norm_reducer",
+    "Lamb",
+    "Lars",
+    "large_batch_param_groups",
+    "CPUAdam",
+    "HybridAdam",
 ]

@@ -1,0 +1,91 @@
+"""Flat (contiguous) storage for one parameter group's CPU parameters of one dtype.
+
+[Note: why flatten]
+torch's fused CPU Adam kernel parallelises *within* each tensor, so a model of a few hundred
+tensors pays a parallel region (thread wake-up and barrier) per tensor, which costs a lot more
+than the arithmetic on a busy or small machine. A :class:`FlatSpace` moves the parameters of one
+group and dtype into one buffer (``p.data`` becomes a view of it, the ``Parameter`` objects stay
+the same), keeps the moments (and fp32 master weights) in flat buffers whose per-parameter views
+are what ``optimizer.state`` holds, and re-points ``p.grad`` at views of a flat gradient buffer.
+A step is then one fused-kernel call over the whole buffer. Gradients produced elsewhere (the
+first backward, or after ``zero_grad(set_to_none=True)``) are copied into the flat buffer once;
+after ``zero_grad(set_to_none=False)`` autograd accumulates straight into it and nothing is
+copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["FlatSpace", "flattenable"]
+
+
+def flattenable(p: Tensor) -> bool:
+    """A dense, contiguous, real floating-point CPU tensor whose storage it may be moved out of."""
+    return p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous() and p.is_floating_point()
+
+
+class FlatSpace:
+    """Parameters (same group, device and dtype) laid out in flat buffers; see ``[Note: why flatten]``.
+
+    Args:
+        params: the parameters, all of one dtype.
+        state: the optimizer's ``state`` mapping; existing entries are copied in, then replaced by views.
+        master_dtype: dtype of the moments and of the master weights (the params' dtype: none kept).
+    """
+
+    def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Any]], master_dtype: torch.dtype) -> None:
+        self.params = params
+        dtype = params[0].dtype
+        sizes = [p.numel() for p in params]
+        total = sum(sizes)
+        self.param_flat = torch.empty(total, dtype=dtype)  # (N,) working weights
+        self.grad_flat = torch.zeros(total, dtype=dtype)  # (N,) gradients, param dtype
+        self.has_master = master_dtype != dtype
+        self.master_flat = torch.empty(total, dtype=master_dtype) if self.has_master else self.param_flat
+        self.grad_master = torch.empty(total, dtype=master_dtype) if self.has_master else self.grad_flat
+        self.exp_avg = torch.zeros(total, dtype=master_dtype)
+        self.exp_avg_sq = torch.zeros(total, dtype=master_dtype)
+        self._slices = []
+        offset = 0
+        for n in sizes:
+            self._slices.append(slice(offset, offset + n))
+            offset += n
+        for p, sl in zip(params, self._slices):
+            self._adopt(p, sl, state.setdefault(p, {}))
+
+    def _adopt(self, p: Tensor, sl: slice, st: dict[str, Any]) -> None:
+        view = self.param_flat[sl].view_as(p)
+        view.copy_(p.detach())
+        p.data = view
+        if p.grad is not None:
+            self.grad_flat[sl].view_as(p).copy_(p.grad)
+            p.grad = self.grad_flat[sl].view_as(p)
+        if self.has_master:
+            master = self.master_flat[sl].view_as(p)
+            master.copy_(st["master"] if "master" in st else p.detach())
+            st["master"] = master
+        for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            view = flat[sl].view_as(p)
+            if key in st:
+                view.copy_(st[key])
+            st[key] = view
+        st.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+    def gather_grads(self) -> None:
+        """Make every ``p.grad`` a view of ``grad_flat`` (copying foreign ones in); fill ``grad_master``."""
+        for p, sl in zip(self.params, self._slices):
+            view = self.grad_flat[sl]
+            if p.grad.data_ptr() != view.data_ptr() or p.grad.dtype != view.dtype:
+                view.view_as(p).copy_(p.grad)
+                p.grad = view.view_as(p)
+        if self.has_master:
+            self.grad_master.copy_(self.grad_flat)
+
+    def publish(self) -> None:
+        """Copy the master weights into the working copies (one cast over the whole buffer)."""
+        if self.has_master:
+            self.param_flat.copy_(self.master_flat)

@@ -1,0 +1,111 @@
+"""The shared skeleton of LAMB and LARS: per-tensor trust ratios from (possibly sharded) norms.
+
+[Note: sharded trust ratios]
+LAMB and LARS scale each parameter's update by ``||w|| / ||x||`` (x = the Adam-style update for
+LAMB, the gradient for LARS). When ZeRO or Gemini hand the optimizer only a shard of each
+parameter, those norms must still be the whole parameter's. A step therefore runs in two phases:
+``_prepare`` (per group: moments and the local squared norms of the shards this rank holds),
+then one call of ``norm_reducer`` on the concatenated squared norms of *every* group (one
+all-reduce per step with :func:`colossal.optim.group_norm_reducer`), then ``_apply``. With a
+reducer every parameter of every group enters the norm vector, with or without a gradient, so the
+vector has the same length and order on every rank (a parameter without a gradient contributes
+its weight norm and a zero update norm and is not updated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["LayerwiseOptimizer", "check_grad", "trust_ratio", "sq_norms", "by_device_dtype"]
+
+NormReducer = Callable[[Tensor], Tensor]
+
+
+def check_grad(p: Tensor, optimizer: str) -> None:
+    """Refuse gradients the optimizer cannot handle, naming what is supported."""
+    if p.grad.is_sparse:
+        raise TypeError(f"{optimizer} does not support sparse gradients (got layout {p.grad.layout}); use dense ones")
+    if p.is_complex() or p.grad.is_complex():
+        raise TypeError(f"{optimizer} supports real floating-point parameters only, got dtype {p.dtype}")
+
+
+def by_device_dtype(indices: Iterable[int], tensors: list[Tensor]) -> dict[tuple, list[int]]:
+    """Indices of ``tensors`` bucketed by (device, dtype): the unit of one multi-tensor kernel."""
+    buckets: dict[tuple, list[int]] = {}
+    for i in indices:
+        buckets.setdefault((tensors[i].device, tensors[i].dtype), []).append(i)
+    return buckets
+
+
+def sq_norms(tensors: list[Tensor | None], device: torch.device) -> Tensor:
+    """Squared L2 norms, one per entry (0 for ``None`` and empty tensors), fp32 (fp64 if any input is)."""
+    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
+    out = torch.zeros(len(tensors), dtype=torch.float64 if wide else torch.float32, device=device)
+    present = [i for i, t in enumerate(tensors) if t is not None and t.numel()]
+    for (_, dtype), idx in by_device_dtype(present, tensors).items():  # type: ignore[arg-type]
+        widen = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2, dtype=widen))
+        out[torch.tensor(idx, device=device)] = norms.to(device, out.dtype).square()
+    return out
+
+
+def trust_ratio(w_sq: Tensor, x_sq: Tensor, denom: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """``||w|| / denom(||w||, ||x||)`` per tensor, 1 where ``||w||`` or ``||x||`` is zero."""
+    w_norm, x_norm = w_sq.sqrt(), x_sq.sqrt()
+    ratio = w_norm / denom(w_norm, x_norm)
+    return torch.where((w_norm > 0) & (x_norm > 0), ratio, torch.ones_like(ratio))
+
+
+class LayerwiseOptimizer(Optimizer):
+    """Base class: runs ``_prepare`` over all groups, reduces the norms, runs ``_apply``."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], norm_reducer: NormReducer | None) -> None:
+        if norm_reducer is not None and not callable(norm_reducer):
+            raise TypeError(f"norm_reducer must be callable or None, got {type(norm_reducer).__name__}")
+        super().__init__(params, defaults)
+        self.norm_reducer = norm_reducer
+
+    def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """Return the per-parameter tensors x (whose norm enters the ratio) and local ``[w_sq | x_sq]``."""
+        raise NotImplementedError
+
+    def _apply(self, group: dict[str, Any], params: list[Tensor], xs: list[Tensor], w_sq: Tensor, x_sq: Tensor):
+        """Update ``params`` given whole-parameter squared norms."""
+        raise NotImplementedError
+
+    def _step_params(self, group: dict[str, Any]) -> list[Tensor]:
+        if self.norm_reducer is not None:
+            return list(group["params"])
+        return [p for p in group["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Perform one optimisation step (see ``[Note: sharded trust ratios]``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        name = type(self).__name__
+        with torch.profiler.record_function(f"colossal.optim::{name.lower()}_prepare"):
+            plans = []
+            for group in self.param_groups:
+                params = self._step_params(group)
+                plans.append((group, params, *self._prepare(group, params)))
+        device = plans[0][3].device if plans else torch.device("cpu")
+        sq = torch.cat([plan[3].to(device) for plan in plans]) if plans else torch.zeros(0)
+        if self.norm_reducer is not None and sq.numel():
+            with torch.profiler.record_function(f"colossal.optim::{name.lower()}_norm_reduce"):
+                sq = self.norm_reducer(sq)
+        offset = 0
+        with torch.profiler.record_function(f"colossal.optim::{name.lower()}_apply"):
+            for group, params, xs, _local in plans:
+                n = len(params)
+                w_sq, x_sq = sq[offset : offset + n], sq[offset + n : offset + 2 * n]
+                offset += 2 * n
+                self._apply(group, params, xs, w_sq, x_sq)
+        return loss
