@@ -1,3 +1,51 @@
-"""Chunk-based heterogeneous CPU/GPU memory manager."""
+"""colossal.gemini: chunk-based heterogeneous memory management for training models larger than the device.
 
-__all__: list[str] = []
+Wrap the model (:class:`GeminiDDP`) and the optimizer (:class:`GeminiOptimizer`) and keep your own loop::
+
+    model = GeminiDDP(model, placement="auto", device_memory_budget=64 << 20, mixed_precision=torch.bfloat16)
+    optim = GeminiOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, max_grad_norm=1.0)
+    loss = loss_fn(model(x), y); optim.backward(loss); optim.step()
+"""
+
+from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
+from colossal.gemini.chunk_manager import ChunkManager, pack, search_chunk_size
+from colossal.gemini.ddp import GeminiConfig, GeminiDDP
+from colossal.gemini.events import ChunkMoveEvent, MemorySample, ObserverHandle, register_observer
+from colossal.gemini.optimizer import GeminiOptimizer
+from colossal.gemini.placement import AutoPolicy, BeladyResult, PlacementPolicy, StaticPolicy, WarmupPolicy, belady
+from colossal.gemini.stats import GeminiStats
+from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier, Tier, Traffic
+from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
+
+__all__ = [
+    "AutoPolicy",
+    "BeladyResult",
+    "BudgetExceededError",
+    "Chunk",
+    "ChunkManager",
+    "ChunkMoveEvent",
+    "ChunkState",
+    "DeviceTier",
+    "GeminiConfig",
+    "GeminiDDP",
+    "GeminiOptimizer",
+    "GeminiStats",
+    "HostTier",
+    "IllegalTransitionError",
+    "MemorySample",
+    "NonModelTracker",
+    "ObserverHandle",
+    "OpRecord",
+    "PlacementPolicy",
+    "StaticPolicy",
+    "TensorInfo",
+    "TensorState",
+    "Tier",
+    "Trace",
+    "Traffic",
+    "WarmupPolicy",
+    "belady",
+    "pack",
+    "register_observer",
+    "search_chunk_size",
+]

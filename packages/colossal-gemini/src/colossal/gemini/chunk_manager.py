@@ -1,0 +1,275 @@
+"""Chunk manager: packs parameters into chunks and moves chunk buffers between tiers and ranks.
+
+It owns the tiers, the traffic counter and every data movement (fetch, evict, gather, release,
+gradient reduction). It decides nothing: *which* chunk to fetch or evict is the placement
+policy's choice (:mod:`colossal.gemini.placement`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+import colossal.comm as comm
+from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
+from colossal.gemini.tiers import DeviceTier, HostTier, Tier, Traffic, count, transfer
+
+__all__ = ["ChunkManager", "search_chunk_size", "pack"]
+
+
+def pack(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
+    """Indices of ``numels`` per chunk, packed in order (a tensor that does not fit opens a new chunk)."""
+    chunks: list[list[int]] = []
+    left = 0
+    for i, n in enumerate(numels):
+        if n > chunk_size:
+            raise ValueError(f"chunk_size={chunk_size} is smaller than a parameter of {n} elements")
+        if n > left:
+            chunks.append([])
+            left = chunk_size
+        chunks[-1].append(i)
+        left -= n
+    return chunks
+
+
+def search_chunk_size(numels: Sequence[int], align: int = 1, search_range: int | None = None, steps: int = 64) -> int:
+    """Chunk size (elements, a multiple of ``align``) that minimises padding when packing ``numels`` in order.
+
+    Candidates run from the largest tensor to ``largest + search_range`` (default: twice the largest) in
+    ``steps`` equal steps; ties go to the smaller size (more chunks = finer placement).
+    """
+    if not numels:
+        raise ValueError("cannot size chunks for a model without parameters")
+    lo = -(-max(numels) // align) * align
+    span = lo if search_range is None else search_range
+    stride = max(align, -(-span // steps) // align * align)
+    best, best_waste = lo, None
+    for size in range(lo, lo + span + 1, stride):
+        waste = len(pack(numels, size)) * size - sum(numels)
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+    return best
+
+
+class ChunkManager:
+    """Chunks of one model on one rank, their buffers on the tiers, and the moves between them."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        chunk_size: int | None,
+        dtype: torch.dtype,
+        device: DeviceTier,
+        host: HostTier,
+        group: ProcessGroup | None,
+        init_fn: Callable[[str, torch.Tensor], None] | None = None,
+    ):
+        self.device, self.host = device, host
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.dtype = dtype
+        self.traffic = Traffic()
+        numels = [p.numel() for _, p in params]
+        size = chunk_size or search_chunk_size(numels, align=self.world_size)
+        size = -(-size // self.world_size) * self.world_size
+        self.chunk_size = size
+        self.chunks: list[Chunk] = []
+        self.chunk_of: dict[torch.nn.Parameter, tuple[Chunk, TensorInfo]] = {}
+        for idx in pack(numels, size):
+            chunk = Chunk(len(self.chunks), size, dtype, device.device, self.world_size)
+            for i in idx:
+                name, p = params[i]
+                self.chunk_of[p] = (chunk, chunk.append(p, name))
+            self._materialise(chunk, init_fn)
+            self.chunks.append(chunk)
+
+    def tier(self, name: str) -> Tier:
+        """The tier called ``name``."""
+        return self.device if name == "device" else self.host
+
+    # -- construction ------------------------------------------------------------------------------
+    def _materialise(self, chunk: Chunk, init_fn: Callable[[str, torch.Tensor], None] | None) -> None:
+        """Fill the chunk on the device (from the parameters or ``init_fn``), then leave its shard on the host."""
+        originals = [info.param.data for info in chunk.tensors]
+        self._alloc_payload(chunk)
+        chunk.payload.zero_()  # padding is zero
+        chunk.bind()
+        with torch.no_grad():
+            for info, data in zip(chunk.tensors, originals):
+                if data.is_meta:
+                    if init_fn is None:
+                        raise ValueError(f"parameter {info.name!r} is on the meta device: pass param_init_fn")
+                    init_fn(info.name, info.param.data)
+                else:
+                    info.param.data.copy_(data)
+        chunk.state = ChunkState.GATHERED
+        for info in chunk.tensors:
+            info.state = TensorState.HOLD
+        lo, hi = chunk.shard_range(self.rank)
+        chunk.master = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} master")
+        chunk.master.copy_(chunk.payload[lo:hi])
+        chunk.grad_shard = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} grad").zero_()
+        chunk.shard = self.host.alloc(chunk.shard_size, self.dtype, f"chunk {chunk.id} shard")
+        chunk.shard.copy_(chunk.payload[lo:hi])
+        chunk.w_tier = "host"
+        self._drop_payload(chunk)
+
+    def _alloc_payload(self, chunk: Chunk) -> None:
+        self.device.charge(chunk.nbytes, f"chunk {chunk.id}")
+        chunk.payload.untyped_storage().resize_(chunk.nbytes)
+
+    def _drop_payload(self, chunk: Chunk) -> None:
+        chunk.to_released()
+        chunk.payload.untyped_storage().resize_(0)
+        self.device.refund(chunk.nbytes)
+
+    @property
+    def sharded(self) -> bool:
+        """True when chunks are split over several data-parallel ranks."""
+        return self.world_size > 1
+
+    # -- working-precision data ------------------------------------------------------------------------
+    def device_bytes_to_fetch(self, chunk: Chunk) -> int:
+        """Device bytes that fetching ``chunk`` adds (0 when it is already gathered)."""
+        if chunk.state is ChunkState.GATHERED:
+            return 0
+        extra = chunk.shard_nbytes if chunk.w_tier == "host" and self.sharded else 0
+        return chunk.nbytes + extra
+
+    def resident_bytes(self, chunk: Chunk) -> int:
+        """Device bytes the chunk's working data holds now (shard and gathered payload)."""
+        gathered = chunk.nbytes if chunk.state is ChunkState.GATHERED else 0
+        if not self.sharded:
+            return gathered
+        return gathered + (chunk.shard_nbytes if chunk.w_tier == "device" else 0)
+
+    def fetch(self, chunk: Chunk) -> None:
+        """Make the whole chunk computable on the device (bring the shard over, then gather)."""
+        if chunk.state is ChunkState.GATHERED:
+            return
+        with torch.profiler.record_function("colossal.gemini::fetch"):
+            if not self.sharded:
+                start = time.perf_counter()
+                was = chunk.w_tier
+                self._alloc_payload(chunk)
+                chunk.payload.copy_(chunk.shard)
+                if was == "host":
+                    self.host.free(chunk.shard)
+                    count(self.traffic, self.host, self.device, chunk.nbytes, chunk.id, "fetch", start)
+                chunk.shard, chunk.w_tier = chunk.payload, "device"
+            else:
+                if chunk.w_tier == "host":
+                    chunk.shard = transfer(chunk.shard, self.host, self.device, self.traffic, chunk.id, "fetch")
+                    chunk.w_tier = "device"
+                self._alloc_payload(chunk)
+                gathered = comm.all_gather(chunk.shard, group=self.group, tag="gemini.gather")
+                chunk.payload.copy_(gathered)
+            chunk.to_gathered()
+
+    def release(self, chunk: Chunk) -> None:
+        """Drop the gathered payload of a sharded chunk (its shard stays); no-op without sharding."""
+        if self.sharded and chunk.state is ChunkState.GATHERED:
+            self._drop_payload(chunk)
+
+    def evict(self, chunk: Chunk) -> None:
+        """Move the chunk's working shard to the host tier (releasing the payload first)."""
+        with torch.profiler.record_function("colossal.gemini::evict"):
+            if not self.sharded:
+                if chunk.state is ChunkState.RELEASED:
+                    return
+                self._check_idle(chunk, "evict")
+                start = time.perf_counter()
+                shard = self.host.alloc(chunk.size, self.dtype, f"chunk {chunk.id} shard")
+                shard.copy_(chunk.payload)
+                self._drop_payload(chunk)
+                chunk.shard, chunk.w_tier = shard, "host"
+                count(self.traffic, self.device, self.host, chunk.nbytes, chunk.id, "evict", start)
+                return
+            self.release(chunk)
+            if chunk.w_tier == "device":
+                chunk.shard = transfer(chunk.shard, self.device, self.host, self.traffic, chunk.id, "evict")
+                chunk.w_tier = "host"
+
+    def _check_idle(self, chunk: Chunk, what: str) -> None:
+        if chunk.in_use:
+            busy = [i.name for i in chunk.tensors if i.state is TensorState.COMPUTE]
+            raise IllegalTransitionError(f"chunk {chunk.id}: cannot {what} while tensors {busy} are in COMPUTE")
+
+    # -- gradients -------------------------------------------------------------------------------------
+    def add_grad(self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor) -> None:
+        """Copy one parameter's gradient into the chunk's gradient buffer (allocated on first use)."""
+        if chunk.grad_buffer is None:
+            self.device.charge(chunk.nbytes, f"chunk {chunk.id} gradient buffer")
+            chunk.grad_buffer = torch.zeros(chunk.size, dtype=self.dtype, device=self.device.device)
+        chunk.grad_buffer[info.offset : info.offset + info.numel].copy_(grad.reshape(-1))
+
+    def reduce(self, chunk: Chunk) -> None:
+        """Start reducing the chunk's gradient buffer (reduce-scatter over the group when sharded)."""
+        if chunk.grad_buffer is None:  # every tensor unused on this rank: contribute zeros
+            self.device.charge(chunk.nbytes, f"chunk {chunk.id} gradient buffer")
+            chunk.grad_buffer = torch.zeros(chunk.size, dtype=self.dtype, device=self.device.device)
+        with torch.profiler.record_function("colossal.gemini::reduce"):
+            if self.sharded:
+                chunk.pending = comm.reduce_scatter(
+                    chunk.grad_buffer, "sum", self.group, async_op=True, tag="gemini.reduce_scatter"
+                )
+            else:
+                chunk.pending = None
+
+    def finish_reduce(self, chunk: Chunk) -> None:
+        """Wait for the reduction, add the averaged gradient shard into ``grad_shard`` on its tier."""
+        grad = chunk.pending.wait() if chunk.pending is not None else chunk.grad_buffer
+        chunk.pending = None
+        if self.sharded:
+            grad.div_(self.world_size)
+        if chunk.o_tier == "device":
+            chunk.grad_shard.add_(grad)
+        else:
+            start = time.perf_counter()
+            host_grad = grad.to("cpu", non_blocking=False)
+            count(
+                self.traffic,
+                self.device,
+                self.host,
+                grad.numel() * grad.element_size(),
+                chunk.id,
+                "grad_offload",
+                start,
+            )
+            chunk.grad_shard.add_(host_grad)
+        chunk.has_grad = True
+        chunk.grad_buffer = None
+        self.device.refund(chunk.nbytes)
+        chunk.after_reduce()
+
+    # -- master weights --------------------------------------------------------------------------------
+    def refresh_working(self, chunk: Chunk) -> None:
+        """Copy the updated fp32 master shard into the working-precision data (after a step)."""
+        lo, hi = chunk.shard_range(self.rank)
+        target = chunk.shard if self.sharded or chunk.w_tier == "host" else chunk.payload[lo:hi]
+        start = time.perf_counter()
+        target.copy_(chunk.master)
+        if chunk.o_tier != chunk.w_tier:
+            src, dst = self.tier(chunk.o_tier), self.tier(chunk.w_tier)
+            count(self.traffic, src, dst, target.numel() * target.element_size(), chunk.id, "param_refresh", start)
+        if self.sharded:
+            self.release(chunk)  # a stale gathered payload must not survive the update
+
+    def move_optim(self, chunk: Chunk, dst: str) -> None:
+        """Move the chunk's master and gradient shards to tier ``dst`` (optimizer states: the optimizer)."""
+        if chunk.o_tier == dst:
+            return
+        src_tier, dst_tier = self.tier(chunk.o_tier), self.tier(dst)
+        chunk.master = transfer(chunk.master, src_tier, dst_tier, self.traffic, chunk.id, "placement")
+        chunk.grad_shard = transfer(chunk.grad_shard, src_tier, dst_tier, self.traffic, chunk.id, "placement")
+        chunk.o_tier = dst
+
+    def chunks_on(self, tier: str) -> int:
+        """Number of chunks whose working shard is on ``tier``."""
+        return sum(c.w_tier == tier for c in self.chunks)

@@ -1,0 +1,358 @@
+"""GeminiDDP: wraps a module so that its parameters live in chunks placed across tiers and ranks.
+
+Hooks drive the tensor states (see :mod:`colossal.gemini.chunk`):
+
+* forward pre-hook of every module owning parameters: fetch its chunks (placement decides what to
+  evict), HOLD -> COMPUTE; forward post-hook: COMPUTE -> HOLD, and a hook on each output that
+  will fire when its gradient arrives, i.e. just before the module's backward (pre-backward);
+* pre-backward: the previous backward operator's tensors COMPUTE -> HOLD_AFTER_BWD, fetch, -> COMPUTE;
+* ``Tensor.register_post_accumulate_grad_hook`` on every parameter: the gradient goes into the
+  chunk's gradient buffer, -> READY_FOR_REDUCE; a chunk whose tensors are all ready is reduced
+  (reduce-scatter over the data-parallel group, overlapping the rest of backward);
+* a callback at the end of backward reduces chunks holding unused parameters, so they never hang.
+
+[Note: operators]
+The unit of tracing and placement is one module's forward or one module's backward ("operator"):
+that is the granularity at which chunks are needed. Parameters must be used inside the forward of
+the module owning them (as for FSDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from colossal.gemini import checkpoint, events
+from colossal.gemini.chunk import Chunk, TensorState
+from colossal.gemini.chunk_manager import ChunkManager
+from colossal.gemini.placement import WarmupPolicy
+from colossal.gemini.stats import GeminiStats
+from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier
+from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
+from colossal.gemini.warmup import finish_warmup
+
+__all__ = ["GeminiConfig", "GeminiDDP"]
+
+_PLACEMENTS = ("auto", "static")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GeminiConfig:
+    """Settings of :class:`GeminiDDP`."""
+
+    placement: str = "auto"
+    """``"auto"`` (Belady on the traced sequence) or ``"static"`` (fixed offload fractions)."""
+    device_memory_budget: int | None = None
+    """Bytes the device tier may hold; default the real capacity on CUDA (required on CPU)."""
+    mixed_precision: torch.dtype | None = None
+    """Working precision ``torch.bfloat16`` / ``torch.float16``; ``None`` keeps fp32."""
+    chunk_size: int | None = None
+    """Elements per chunk; ``None`` searches the size that minimises padding."""
+    offload_param_frac: float = 0.0
+    """Static policy: fraction of working chunks homed on the host (fetched for each use)."""
+    offload_optim_frac: float = 1.0
+    """Static policy: fraction of optimizer blocks (fp32 master, gradient, states) on the host."""
+    process_group: dist.ProcessGroup | None = None
+    """Data-parallel group the chunks are sharded over (``None``: the world when initialised)."""
+    param_init_fn: Callable[[str, torch.Tensor], None] | None = None
+    """Fills a meta-device parameter (by name) in place, chunk by chunk (lazy construction)."""
+    device: torch.device | str | None = None
+    """Compute device; default ``cuda:<current>`` when CUDA is present, else ``cpu``."""
+
+    def __post_init__(self):
+        if self.placement not in _PLACEMENTS:
+            raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
+        if self.mixed_precision not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {self.mixed_precision}"
+            )
+        for name in ("offload_param_frac", "offload_optim_frac"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int of elements, got {self.chunk_size!r}")
+        if self.device is None:
+            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+
+class GeminiDDP(nn.Module):
+    """Train ``module`` with its parameters in chunks placed across the device and host tiers (and ranks).
+
+    ``GeminiDDP(model, placement="auto", device_memory_budget=64 << 20, mixed_precision=torch.bfloat16)``;
+    pair it with :class:`~colossal.gemini.GeminiOptimizer`.
+    """
+
+    def __init__(self, module: nn.Module, **kwargs):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.config = GeminiConfig(**kwargs)
+        self.module = module
+        params = list(dict.fromkeys(module.parameters()))
+        if any(not p.requires_grad for p in params):
+            raise NotImplementedError("frozen parameters are not supported: every parameter must require grad")
+        names = {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
+        named = [(names[p], p) for p in params]
+        self.dtype = self.config.mixed_precision or torch.float32
+        for _, p in named:
+            p.data = p.data.to(self.dtype) if not p.is_meta else torch.empty(p.shape, dtype=self.dtype, device="meta")
+        group = self.config.process_group
+        dev = torch.device(self.config.device)
+        self.manager = ChunkManager(
+            named,
+            chunk_size=self.config.chunk_size,
+            dtype=self.dtype,
+            device=DeviceTier(dev, self.config.device_memory_budget),
+            host=HostTier(pin=dev.type == "cuda"),
+            group=group if dist.is_initialized() else None,
+            init_fn=self.config.param_init_fn,
+        )
+        self._module_chunks = self._collect_module_chunks(module)
+        self._check_setup()
+        self.trace = Trace()
+        self.tracker = NonModelTracker(self._is_model_storage)
+        self._model_keys = {c.payload.untyped_storage()._cdata for c in self.manager.chunks}
+        self.policy = WarmupPolicy(self.manager, self._reserve)
+        self.warmup = True
+        self.belady_bytes: int | None = None
+        self.stats_history: list[GeminiStats] = []
+        self._reset_iteration()
+        self._handles = self._register_hooks(module)
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _collect_module_chunks(self, module: nn.Module) -> dict[nn.Module, tuple[str, list[Chunk], list]]:
+        out = {}
+        for name, m in module.named_modules():
+            own = list(m.parameters(recurse=False))
+            if own:
+                pairs = [self.manager.chunk_of[p] for p in own]
+                chunks = sorted({c.id: c for c, _ in pairs}.values(), key=lambda c: c.id)
+                out[m] = (name or "<root>", chunks, pairs)
+        return out
+
+    def _check_setup(self) -> None:
+        """Up-front error when one module's chunks alone cannot fit the device budget."""
+        need = max(
+            sum(self.manager.device_bytes_to_fetch(c) for c in chunks) for _, chunks, _ in self._module_chunks.values()
+        )
+        budget = self.manager.device.budget
+        if need > budget:
+            raise BudgetExceededError(
+                f"need {need} bytes on the device for the chunks of one module, budget {budget}; "
+                f"raise device_memory_budget or lower chunk_size (now {self.manager.chunk_size} elements)"
+            )
+
+    def _register_hooks(self, module: nn.Module) -> list:
+        handles = []
+        for m in self._module_chunks:
+            handles.append(m.register_forward_pre_hook(self._pre_forward))
+            handles.append(m.register_forward_hook(self._post_forward))
+        for p in self.manager.chunk_of:
+            handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        return handles
+
+    def _is_model_storage(self, key: int) -> bool:
+        return key in self._model_keys
+
+    def _reset_iteration(self) -> None:
+        self.op_index = 0
+        self._current: list[Chunk] = []
+        self._bwd_infos: list = []
+        self._bwd_module: nn.Module | None = None
+        self._in_backward = False
+        self._peak = [0, 0, 0]  # model, non-model, total
+        self._pinned = 0
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (floating-point inputs are cast to the working precision)."""
+        if self.dtype != torch.float32:
+            cast = lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if self.warmup and torch.is_grad_enabled() and not self._tracking:
+            self.tracker.__enter__()
+            self._tracking = True
+        return self.module(*args, **kwargs)
+
+    _tracking = False
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        name, chunks, pairs = self._module_chunks[module]
+        self._begin_op(f"fwd:{name}", chunks)
+        for chunk, info in pairs:
+            chunk.transition(info, TensorState.COMPUTE)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        _, _, pairs = self._module_chunks[module]
+        for chunk, info in pairs:
+            chunk.transition(info, TensorState.HOLD)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, module))
+        return output
+
+    # -- operators ------------------------------------------------------------------------------------
+    def _reserve(self, i: int) -> int:
+        """Non-model bytes to keep free at operator ``i``."""
+        if self.warmup:
+            return self.tracker.current()
+        ops = self.trace.ops
+        op = ops[i] if 0 <= i < len(ops) else None
+        if op is None:
+            return self.trace.peak_non_model_bytes
+        return op.non_model_bytes + max(0, op.pinned_bytes - self._grad_buffer_bytes())
+
+    def _grad_buffer_bytes(self) -> int:
+        return sum(c.nbytes for c in self.manager.chunks if c.grad_buffer is not None)
+
+    def _begin_op(self, label: str, chunks: list[Chunk]) -> None:
+        with self.tracker.suspended(), torch.profiler.record_function("colossal.gemini::placement"):
+            training = torch.is_grad_enabled() or self._in_backward
+            i = self.op_index if training else -1
+            if self.warmup and training:
+                self._close_record()
+                self.trace.ops.append(OpRecord(label=label, chunk_ids=tuple(c.id for c in chunks)))
+            self.policy.after_op(self._current, {c.id for c in chunks})
+            self.policy.before_op(i, chunks)
+            self._current = chunks
+            if training:
+                self.op_index += 1
+            self._sample(label, i)
+
+    def _close_record(self) -> None:
+        if self.trace.ops and self._tracking:
+            op = self.trace.ops[-1]
+            op.non_model_bytes = max(op.non_model_bytes, self.tracker.peak_bytes)
+            op.pinned_bytes = max(op.pinned_bytes, self._pinned)
+            if self.manager.device.device.type == "cuda":
+                op.cuda_non_model_bytes = torch.cuda.memory_allocated() - self.manager.device.used_bytes
+            self.tracker.reset_peak()
+            self._pinned = self._grad_buffer_bytes()
+
+    def _sample(self, label: str, i: int) -> None:
+        model = self.manager.device.used_bytes
+        non_model = self.tracker.current() if self.warmup else self._reserve(i)
+        self._peak = [max(self._peak[0], model), max(self._peak[1], non_model), max(self._peak[2], model + non_model)]
+        if events.has_observers():
+            kind = self.manager.device.kind
+            events.emit(
+                events.MemorySample(
+                    time=time.perf_counter(), tier=kind, model_bytes=model, non_model_bytes=non_model, label=label
+                )
+            )
+
+    # -- backward -------------------------------------------------------------------------------------
+    def _pre_backward(self, module: nn.Module, grad: torch.Tensor) -> None:
+        if module is self._bwd_module:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self._reduced: set[int] = set()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        self._leave_backward_op()
+        name, chunks, pairs = self._module_chunks[module]
+        self._bwd_module = module
+        self._begin_op(f"bwd:{name}", chunks)
+        for chunk, info in pairs:
+            if info.state is not TensorState.COMPUTE:
+                chunk.transition(info, TensorState.COMPUTE)
+        self._bwd_infos = pairs
+
+    def _leave_backward_op(self) -> None:
+        for chunk, info in self._bwd_infos:
+            if info.state is TensorState.COMPUTE:
+                chunk.transition(info, TensorState.HOLD_AFTER_BWD)
+        self._bwd_infos = []
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        chunk, info = self.manager.chunk_of[param]
+        with self.tracker.suspended():
+            if chunk.grad_buffer is None:
+                self.policy.make_room(chunk.nbytes, {c.id for c in self._current}, self.op_index - 1)
+            self.manager.add_grad(chunk, info, param.grad)
+            self._pinned = max(self._pinned, self._grad_buffer_bytes())
+            self._sample("grad", self.op_index - 1)
+            param.grad = None
+            chunk.transition(info, TensorState.READY_FOR_REDUCE)
+            if chunk.ready_for_reduce:
+                self._reduce(chunk)
+
+    def _reduce(self, chunk: Chunk) -> None:
+        pending = [c for c in self.manager.chunks if c.pending is not None]
+        for c in pending:  # keep one reduction in flight
+            self.manager.finish_reduce(c)
+        self._reduced.add(chunk.id)
+        self.manager.reduce(chunk)
+        if chunk.pending is None:
+            self.manager.finish_reduce(chunk)
+
+    def _backward_end(self) -> None:
+        with self.tracker.suspended():
+            self._leave_backward_op()
+            for c in self.manager.chunks:
+                if c.pending is not None:
+                    self.manager.finish_reduce(c)
+            for c in self.manager.chunks:  # chunks holding unused parameters: reduce zeros
+                if c.id not in self._reduced:
+                    for info in c.tensors:
+                        if info.state is not TensorState.READY_FOR_REDUCE:
+                            c.transition(info, TensorState.READY_FOR_REDUCE)
+                    self.manager.reduce(c)
+                    self.manager.finish_reduce(c)
+            self.policy.after_op(self._current, set())
+            self._current = []
+            self._bwd_module = None
+            self._in_backward = False
+
+    # -- iteration end (called by GeminiOptimizer.step) -------------------------------------------------
+    def end_iteration(self, optimizer_blocks: Callable | None = None) -> GeminiStats:
+        """Close the step: finish warm-up if needed, record and publish its statistics."""
+        if self.warmup and optimizer_blocks is not None:
+            self._close_record()
+            if self._tracking:
+                self.tracker.__exit__(None, None, None)
+                self._tracking = False
+            finish_warmup(self, optimizer_blocks)
+        m = self.manager
+        stats = GeminiStats(
+            step=len(self.stats_history),
+            policy=self.policy.name if not self.warmup else "warmup",
+            bytes_to_device=m.traffic.to_device,
+            bytes_to_host=m.traffic.to_host,
+            transfer_seconds=m.traffic.seconds,
+            peak_model_bytes=self._peak[0],
+            peak_non_model_bytes=self._peak[1],
+            peak_device_bytes=self._peak[2],
+            budget=m.device.budget,
+            chunks_on_device=m.chunks_on("device"),
+            chunks_on_host=m.chunks_on("host"),
+            optim_on_device=sum(c.o_tier == "device" for c in m.chunks),
+            belady_bytes=self.belady_bytes,
+        )
+        self.stats_history.append(stats)
+        m.traffic.to_device = m.traffic.to_host = 0
+        m.traffic.seconds = 0.0
+        self._reset_iteration()
+        return stats
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Full fp32 state of the wrapped module (gathered; loads into the plain module). Collective."""
+        return checkpoint.model_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state of the wrapped module (from :meth:`state_dict` or the plain module)."""
+        checkpoint.load_model_state_dict(self, state_dict)
+
+    @property
+    def stats(self) -> GeminiStats | None:
+        """Statistics of the last finished step."""
+        return self.stats_history[-1] if self.stats_history else None

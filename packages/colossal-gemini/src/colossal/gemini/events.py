@@ -1,0 +1,97 @@
+"""Memory events of Gemini: chunk moves between tiers and memory samples, published to observers.
+
+The event shapes are the cross-package contract read (duck-typed) by ``colossal-profiler``.
+With no observer registered, publishing costs one branch (``if _OBSERVERS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ChunkMoveEvent", "MemorySample", "ObserverHandle", "register_observer", "has_observers", "emit"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkMoveEvent:
+    """Bytes of one chunk (or one of its buffers) copied from one tier to another."""
+
+    kind: str = dataclasses.field(default="chunk_move", init=False)
+    """Always ``"chunk_move"``."""
+    chunk_id: int
+    """Index of the chunk in its manager."""
+    nbytes: int
+    """Bytes copied."""
+    src: str
+    """Source tier device type: ``"cuda"``, ``"cpu"`` or ``"disk"``."""
+    dst: str
+    """Destination tier device type."""
+    start: float
+    """``time.perf_counter()`` when the copy started."""
+    end: float
+    """``time.perf_counter()`` when it finished."""
+    reason: str
+    """Why it moved: ``"fetch"``, ``"evict"``, ``"grad_offload"``, ``"param_refresh"``, ``"placement"``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemorySample:
+    """Memory held on one tier at one moment, split into model and non-model data."""
+
+    kind: str = dataclasses.field(default="memory_sample", init=False)
+    """Always ``"memory_sample"``."""
+    time: float
+    """``time.perf_counter()`` of the sample."""
+    tier: str
+    """Tier device type: ``"cuda"``, ``"cpu"`` or ``"disk"``."""
+    model_bytes: int
+    """Bytes of model data (chunks, gradients, master weights, optimizer states) on the tier."""
+    non_model_bytes: int
+    """Bytes of non-model data (activations, temporaries) on the tier (traced or estimated)."""
+    label: str
+    """Operator or phase the sample was taken at (e.g. ``"fwd:blocks.0.attn.q_proj"``)."""
+
+
+_OBSERVERS: list[Callable[[Any], None]] = []
+_LOCK = threading.Lock()
+
+
+class ObserverHandle:
+    """Returned by :func:`register_observer`; ``remove()`` (or leaving the ``with``) unregisters."""
+
+    def __init__(self, fn: Callable[[Any], None]):
+        self._fn = fn
+
+    def remove(self) -> None:
+        """Stop delivering events to the observer (idempotent)."""
+        with _LOCK:
+            if self._fn in _OBSERVERS:
+                _OBSERVERS.remove(self._fn)
+
+    def __enter__(self) -> ObserverHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def register_observer(fn: Callable[[Any], None]) -> ObserverHandle:
+    """Deliver every :class:`ChunkMoveEvent` and :class:`MemorySample` to ``fn`` until removed."""
+    if not callable(fn):
+        raise TypeError(f"observer must be callable, got {type(fn).__name__}")
+    with _LOCK:
+        _OBSERVERS.append(fn)
+    return ObserverHandle(fn)
+
+
+def has_observers() -> bool:
+    """True when at least one observer is registered."""
+    return bool(_OBSERVERS)
+
+
+def emit(event: Any) -> None:
+    """Deliver ``event`` to every observer."""
+    for fn in list(_OBSERVERS):
+        fn(event)

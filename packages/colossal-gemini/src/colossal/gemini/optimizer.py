@@ -1,0 +1,144 @@
+"""GeminiOptimizer: steps any element-wise torch optimizer on the fp32 master shards of the chunks.
+
+The wrapped optimizer's parameters are replaced by fp32 views of the master shards (one per
+parameter slice this rank holds); their ``.grad`` are views of the fp32 gradient shards. Loss
+scaling, the global gradient-norm clip and the overflow skip come from ``colossal.optim``.
+
+[Note: element-wise optimizers only]
+A parameter may be split across chunk shards (and ranks), so the optimizer sees 1-D slices.
+Element-wise rules (SGD, Adam/AdamW, HybridAdam, CPUAdam) give the same update on slices as on
+the whole tensor; rules that need a whole-tensor norm or shape (LAMB, Adafactor) do not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colossal.gemini.chunk import Chunk
+from colossal.gemini.ddp import GeminiDDP
+from colossal.gemini.tiers import transfer
+from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
+
+__all__ = ["GeminiOptimizer"]
+
+
+class GeminiOptimizer:
+    """Wraps ``optim`` (built over ``model.parameters()``) to step on Gemini's fp32 master shards.
+
+    Use ``optim.backward(loss)`` instead of ``loss.backward()``; several backward calls before one
+    ``step()`` accumulate gradients.
+    """
+
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        model: GeminiDDP,
+        *,
+        loss_scaler=None,
+        max_grad_norm: float = 0.0,
+        norm_type: float = 2.0,
+    ):
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
+        if not isinstance(model, GeminiDDP):
+            raise TypeError(f"model must be a GeminiDDP, got {type(model).__name__}")
+        if optim.state:
+            raise ValueError("optim must not have stepped yet (its state is not empty)")
+        if max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
+        self.optim, self.model = optim, model
+        self.manager = model.manager
+        if loss_scaler is None:
+            loss_scaler = DynamicLossScaler() if model.dtype == torch.float16 else ConstantLossScaler()
+        self.scaler = loss_scaler
+        self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
+        self.slices: dict[int, list[tuple[nn.Parameter, int, int, str]]] = {}  # chunk -> (fake, lo, hi, name)
+        self._replace_params()
+        self.skipped_steps = 0
+
+    def _replace_params(self) -> None:
+        m = self.manager
+        for group in self.optim.param_groups:
+            fakes = []
+            for p in group["params"]:
+                if p not in m.chunk_of:
+                    raise ValueError("optim holds a parameter that is not a parameter of the GeminiDDP model")
+                chunk, info = m.chunk_of[p]
+                s_lo, s_hi = chunk.shard_range(m.rank)
+                lo, hi = max(info.offset, s_lo) - s_lo, min(info.offset + info.numel, s_hi) - s_lo
+                if lo >= hi:
+                    continue  # no element of this parameter on this rank
+                fake = nn.Parameter(chunk.master[lo:hi])
+                self.slices.setdefault(chunk.id, []).append((fake, lo, hi, info.name))
+                fakes.append(fake)
+            group["params"] = fakes
+
+    # -- training API -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with loss scaling."""
+        self.scaler.scale_loss(loss).backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients."""
+        for c in self.manager.chunks:
+            c.grad_shard.zero_()
+            c.has_grad = False
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [c.grad_shard for c in self.manager.chunks]
+
+    def step(self) -> bool:
+        """Unscale, skip on overflow, clip, step, refresh the working weights; returns False when skipped."""
+        with torch.profiler.record_function("colossal.gemini::step"):
+            grads = self._grads()
+            self.scaler.unscale_(grads)
+            found_inf = has_inf_or_nan(grads, group=self.manager.group)
+            if found_inf:
+                self.skipped_steps += 1
+            else:
+                if self.max_grad_norm > 0:
+                    clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, group=self.manager.group)
+                self._inner_step()
+            self.scaler.update(found_inf)
+            self.zero_grad()
+            self.model.end_iteration(None if found_inf else self)
+            return not found_inf
+
+    def _inner_step(self) -> None:
+        for chunk in self.manager.chunks:
+            for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
+                fake.grad = chunk.grad_shard[lo:hi]
+        self.optim.step()
+        for chunk in self.manager.chunks:
+            for fake, *_ in self.slices.get(chunk.id, ()):
+                fake.grad = None
+            self.manager.refresh_working(chunk)
+
+    # -- optimizer blocks (used by the placement at the end of warm-up) -----------------------------------
+    def block_bytes(self, chunk: Chunk) -> int:
+        """Bytes of the chunk's optimizer block: fp32 master + fp32 gradient + optimizer states."""
+        states = sum(
+            t.numel() * t.element_size()
+            for fake, *_ in self.slices.get(chunk.id, ())
+            for t in self.optim.state.get(fake, {}).values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        return chunk.master.numel() * 4 * 2 + states
+
+    def move_block(self, chunk: Chunk, dst: str) -> None:
+        """Move the chunk's optimizer block to tier ``dst`` (counted), re-pointing the optimizer's views."""
+        m = self.manager
+        if not chunk.states_accounted:  # created by the first step on the host tier: account them there
+            m.host.charge(self.block_bytes(chunk) - chunk.master.numel() * 8)
+            chunk.states_accounted = True
+        if chunk.o_tier == dst:
+            return
+        src_tier, dst_tier = m.tier(chunk.o_tier), m.tier(dst)
+        m.move_optim(chunk, dst)
+        for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
+            fake.data = chunk.master[lo:hi]
+            state = self.optim.state.get(fake, {})
+            for k, t in list(state.items()):
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    state[k] = transfer(t, src_tier, dst_tier, m.traffic, chunk.id, "placement")

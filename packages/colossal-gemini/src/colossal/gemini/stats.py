@@ -1,0 +1,44 @@
+"""Per-step statistics of a Gemini-managed model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["GeminiStats"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GeminiStats:
+    """What one training step cost in memory and movement (``GeminiDDP.stats`` / ``stats_history``)."""
+
+    step: int
+    """Step index (0 = the warm-up step, traced)."""
+    policy: str
+    """Placement policy in force during the step: ``"warmup"``, ``"static"`` or ``"auto"``."""
+    bytes_to_device: int
+    """Bytes copied into the device tier."""
+    bytes_to_host: int
+    """Bytes copied out of the device tier."""
+    transfer_seconds: float
+    """Wall time spent in those copies."""
+    peak_model_bytes: int
+    """Peak accounted model data on the device tier (chunks, gradient buffers, master/optimizer blocks)."""
+    peak_non_model_bytes: int
+    """Peak non-model data on the device (measured in warm-up, traced afterwards)."""
+    peak_device_bytes: int
+    """Peak of model + non-model data at the same moment (must stay within ``budget``)."""
+    budget: int
+    """Device budget in bytes."""
+    chunks_on_device: int
+    """Working chunks whose shard is on the device tier at the end of the step."""
+    chunks_on_host: int
+    """Working chunks whose shard is on the host tier at the end of the step."""
+    optim_on_device: int
+    """Chunks whose optimizer block (fp32 master, gradient, states) is on the device tier."""
+    belady_bytes: int | None
+    """Bytes the offline optimum (Belady on the traced sequence, same budget) would move per step."""
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes moved both ways."""
+        return self.bytes_to_device + self.bytes_to_host

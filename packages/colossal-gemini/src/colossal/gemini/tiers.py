@@ -1,0 +1,160 @@
+"""Memory tiers: where chunk buffers live, with byte accounting and counted moves between tiers.
+
+A tier owns two things: the accounting of the model data placed on it, and the allocation of
+tensors there. Policies see tiers only through :class:`Tier` (``used_bytes``, ``budget``,
+``kind``), so a disk tier can be added without touching them.
+
+[Note: CPU-only runs]
+Without CUDA the compute device *is* the CPU: :class:`DeviceTier` is CPU memory with a budget
+enforced by accounting, and :class:`HostTier` is CPU memory too. A move between them is a real,
+accounted copy into a fresh buffer (not a relabel): it keeps the code path identical to the CUDA
+one (same buffers freed, same copies issued), so step times and byte counts measured on CPU
+include the cost of every move the policy decided, and a bug that forgets to move a buffer shows
+up as an accounting error instead of silently working because both tiers share one memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from colossal.gemini import events
+
+__all__ = ["Tier", "DeviceTier", "HostTier", "BudgetExceededError", "Traffic", "transfer"]
+
+
+class BudgetExceededError(RuntimeError):
+    """The device tier cannot hold what is asked of it; the message says need, budget and what to change."""
+
+
+class Tier:
+    """A pool of memory holding model data, with its accounting."""
+
+    name: str = "tier"
+    """Role of the tier: ``"device"``, ``"host"`` (or ``"disk"``)."""
+
+    def __init__(self, device: torch.device | str, budget: int | None = None):
+        self.device = torch.device(device)
+        self.budget = budget  # bytes; None = unlimited
+        self.used_bytes = 0  # model data currently accounted here
+        self.peak_bytes = 0
+
+    @property
+    def kind(self) -> str:
+        """Device type reported in events (``"cuda"``, ``"cpu"``, ``"disk"``)."""
+        return self.device.type
+
+    def charge(self, nbytes: int, what: str = "model data") -> None:
+        """Account ``nbytes`` more model data; raises :class:`BudgetExceededError` past the budget."""
+        if self.budget is not None and self.used_bytes + nbytes > self.budget:
+            raise BudgetExceededError(
+                f"{self.name} tier: need {self.used_bytes + nbytes} bytes of model data for {what}, "
+                f"budget {self.budget} bytes; raise device_memory_budget or offload more "
+                f"(placement='auto', or larger offload_param_frac / offload_optim_frac)"
+            )
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def refund(self, nbytes: int) -> None:
+        """Stop accounting ``nbytes`` of model data."""
+        if nbytes > self.used_bytes:
+            raise RuntimeError(f"{self.name} tier: refund of {nbytes} bytes exceeds the {self.used_bytes} accounted")
+        self.used_bytes -= nbytes
+
+    def alloc(self, numel: int, dtype: torch.dtype, what: str = "model data") -> torch.Tensor:
+        """An accounted, uninitialised ``(numel,)`` tensor on this tier."""
+        nbytes = numel * _itemsize(dtype)
+        self.charge(nbytes, what)
+        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self._pin())
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Stop accounting ``tensor`` (the caller drops its references)."""
+        self.refund(tensor.numel() * tensor.element_size())
+
+    def _pin(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device}, used={self.used_bytes}, budget={self.budget})"
+
+
+class DeviceTier(Tier):
+    """The compute device with a byte budget (default: its real capacity on CUDA; required on CPU)."""
+
+    name = "device"
+
+    def __init__(self, device: torch.device | str, budget: int | None = None):
+        device = torch.device(device)
+        if budget is None:
+            if device.type != "cuda":
+                raise ValueError("device_memory_budget is required when the compute device is the CPU, got None")
+            budget = torch.cuda.get_device_properties(device).total_memory
+        if not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"device_memory_budget must be a positive int of bytes, got {budget!r}")
+        super().__init__(device, budget)
+
+
+class HostTier(Tier):
+    """Host memory, unlimited; pinned when the compute device is CUDA (fast, async copies)."""
+
+    name = "host"
+
+    def __init__(self, pin: bool = False):
+        super().__init__("cpu", None)
+        self.pin = pin and torch.cuda.is_available()
+
+    def _pin(self) -> bool:
+        return self.pin
+
+
+@dataclasses.dataclass(slots=True)
+class Traffic:
+    """Bytes moved between tiers and time spent moving them (reset per step by the engine)."""
+
+    to_device: int = 0
+    """Bytes copied into the device tier."""
+    to_host: int = 0
+    """Bytes copied out of the device tier."""
+    seconds: float = 0.0
+    """Wall time spent in those copies."""
+
+    def total(self) -> int:
+        """Bytes moved both ways."""
+        return self.to_device + self.to_host
+
+
+def transfer(
+    src_tensor: torch.Tensor, src: Tier, dst: Tier, traffic: Traffic, chunk_id: int, reason: str
+) -> torch.Tensor:
+    """Copy ``src_tensor`` (accounted on ``src``) into a new buffer on ``dst``; frees it on ``src``.
+
+    The copy is counted in ``traffic`` and reported as a :class:`~colossal.gemini.events.ChunkMoveEvent`.
+    """
+    start = time.perf_counter()
+    out = dst.alloc(src_tensor.numel(), src_tensor.dtype, what=f"chunk {chunk_id} ({reason})")
+    out.copy_(src_tensor.view(-1))
+    src.free(src_tensor)
+    count(traffic, src, dst, out.numel() * out.element_size(), chunk_id, reason, start)
+    return out
+
+
+def count(traffic: Traffic, src: Tier, dst: Tier, nbytes: int, chunk_id: int, reason: str, start: float) -> None:
+    """Record a copy of ``nbytes`` from ``src`` to ``dst`` that started at ``start``."""
+    end = time.perf_counter()
+    if dst.name == "device" and src.name != "device":
+        traffic.to_device += nbytes
+    elif src.name == "device" and dst.name != "device":
+        traffic.to_host += nbytes
+    traffic.seconds += end - start
+    if events.has_observers():
+        events.emit(
+            events.ChunkMoveEvent(
+                chunk_id=chunk_id, nbytes=nbytes, src=src.kind, dst=dst.kind, start=start, end=end, reason=reason
+            )
+        )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
