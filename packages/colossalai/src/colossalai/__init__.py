@@ -15,6 +15,7 @@ from colossalai.booster import (
     RunState,
     TorchDDPPlugin,
     TorchFSDPPlugin,
+    ZeroPlugin,
 )
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
+    "ZeroPlugin",
     "Precision",
     "BoostedModel",
     "BoostedOptimizer",

@@ -6,6 +6,7 @@ from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
 from colossalai.booster.plugin import Plugin
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer
+from colossalai.booster.zero_plugin import ZeroPlugin
 
 __all__ = [
     "Booster",
@@ -13,6 +14,7 @@ __all__ = [
     "Plugin",
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
+    "ZeroPlugin",
     "Precision",
     "BoostedModel",
     "BoostedOptimizer",

@@ -52,13 +52,6 @@ class RunState:
     """Whatever the caller stored (config, metrics, ...)."""
 
 
-def _rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], model: nn.Module) -> None:
-    """Point the optimizer at the model's current parameters (materialisation replaces them)."""
-    current = dict(model.named_parameters(remove_duplicate=False))
-    for group in optimizer.param_groups:
-        group["params"] = [current[names[id(p)]] if id(p) in names else p for p in group["params"]]
-
-
 class Booster:
     """Applies a plugin (parallel layout) and a mixed-precision mode to a training setup."""
 
@@ -75,18 +68,18 @@ class Booster:
         """Return ``(model, optimizer, criterion, dataloader, lr_scheduler)``, boosted.
 
         The optimizer must have been built over ``model.parameters()``; the scheduler over that
-        optimizer. A meta-device model is materialised by the plugin and the optimizer rebound.
+        optimizer. A meta-device model is materialised by the plugin and the optimizer rebound
+        (by parameter name). One model per Booster.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         with torch.profiler.record_function("colossalai.booster::configure"):
             wrapped, optimizer = self.plugin.configure(model, optimizer, self.precision)
         original = self.plugin.unwrap(wrapped)
-        boosted_model = BoostedModel(wrapped, original, self.precision, self.plugin.device)
+        # A plugin whose engine casts and scales itself gets no autocast and no loss scaler here.
+        precision = Precision.FP32 if self.plugin.handles_precision else self.precision
+        boosted_model = BoostedModel(wrapped, original, precision, self.plugin.device)
         if optimizer is not None and not isinstance(optimizer, BoostedOptimizer):
-            if not self.plugin.handles_precision:
-                _rebind_optimizer(optimizer, names, original)
             optimizer = BoostedOptimizer(optimizer, self._make_scaler())
         if optimizer is not None:
             optimizer.boosted_model = boosted_model

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from colossalai.booster.plugin import Plugin, world_size
+from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 
 __all__ = ["TorchDDPPlugin"]
@@ -58,7 +58,9 @@ class TorchDDPPlugin(Plugin):
 
     def configure(self, model: nn.Module, optimizer, precision: Precision):
         """Move ``model`` to this rank's device (materialising meta tensors) and wrap it in DDP."""
+        names = param_names(model)
         model = materialize_(model, self.device)
+        rebind_optimizer(optimizer, names, model)
         if world_size() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             with torch.profiler.record_function("colossalai.booster::ddp_wrap"):

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.plugin import Plugin, world_size
+from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 
 __all__ = ["TorchFSDPPlugin"]
@@ -35,6 +35,7 @@ class TorchFSDPPlugin(Plugin):
         provide ``init_weights``, densely otherwise)."""
         if not torch.distributed.is_initialized():
             raise ValueError("TorchFSDPPlugin needs torch.distributed initialised (run under torchrun or launch())")
+        names = param_names(model)
         lazy = any(p.is_meta for p in model.parameters()) and hasattr(model, "init_weights")
         if not lazy:
             model = materialize_(model, self.device)
@@ -46,6 +47,7 @@ class TorchFSDPPlugin(Plugin):
         if lazy:
             model.to_empty(device=self.device)
             model.init_weights()
+        rebind_optimizer(optimizer, names, model)
         return model, optimizer
 
     def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from colossalai.booster.precision import Precision
 from colossalai.data.dataset import ResumableDistributedSampler
 
-__all__ = ["Plugin", "world_size", "world_rank"]
+__all__ = ["Plugin", "world_size", "world_rank", "param_names", "rebind_optimizer"]
 
 
 def world_size() -> int:
@@ -33,6 +33,24 @@ def world_size() -> int:
 def world_rank() -> int:
     """Global rank (0 when torch.distributed is not initialised)."""
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` (every alias of a tied parameter maps to its first name)."""
+    return {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer | None, names: dict[int, str], model: nn.Module) -> None:
+    """Point ``optimizer`` at ``model``'s current parameters, matched by name.
+
+    Materialising a meta model (or sharding it) replaces its ``Parameter`` objects; an optimizer
+    built over the old ones is rebound here. Must run before the optimizer has state.
+    """
+    if optimizer is None:
+        return
+    current = dict(model.named_parameters(remove_duplicate=False))
+    for group in optimizer.param_groups:
+        group["params"] = [current[names[id(p)]] if id(p) in names else p for p in group["params"]]
 
 
 class Plugin(abc.ABC):

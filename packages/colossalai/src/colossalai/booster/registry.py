@@ -5,12 +5,14 @@ from __future__ import annotations
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
 from colossalai.booster.plugin import Plugin
+from colossalai.booster.zero_plugin import ZeroPlugin
 
 __all__ = ["PLUGINS", "make_plugin"]
 
 PLUGINS: dict[str, type[Plugin]] = {
     "ddp": TorchDDPPlugin,
     "fsdp": TorchFSDPPlugin,
+    "zero": ZeroPlugin,
 }
 """CLI name -> plugin class."""
 

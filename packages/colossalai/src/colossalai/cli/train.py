@@ -95,7 +95,9 @@ def _profiler(args, model, optim, tokens_per_step: int):
         return contextlib.nullcontext()
     from colossal.profiler import Profiler
 
-    return Profiler(model.unwrap(), optim.unwrap(), out_dir=args.profile, tokens_per_step=tokens_per_step)
+    inner = optim.unwrap()
+    inner = inner if isinstance(inner, torch.optim.Optimizer) else None  # engines are not Optimizers
+    return Profiler(model.unwrap(), inner, out_dir=args.profile, tokens_per_step=tokens_per_step)
 
 
 class _Logger:

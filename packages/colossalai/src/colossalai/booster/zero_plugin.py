@@ -1,0 +1,154 @@
+"""ZeRO stages 1-3 (with optional CPU offload) through ``colossal.zero.ZeroOptimizer``.
+
+[Note: ZeRO state in checkpoints]
+``colossal.zero`` shards flat buffers whose ranges cross parameter boundaries, so its shards are
+not DTensors. To stay interchangeable with every other plugin the ZeroPlugin hands DCP the
+*gathered* model and optimizer states keyed by parameter name, in exactly the layout of
+``torch.distributed.checkpoint.state_dict`` (``{"state": {fqn: {...}}, "param_groups": [...,
+"params": [fqn, ...]]}``): each rank holds a full CPU copy while saving or loading, and DCP
+writes one copy. This trades checkpoint-time host memory for portability; ZeRO's own
+``save_sharded`` (truly sharded, ZeRO-only) remains available on ``plugin.engine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from colossalai.booster.ddp_plugin import materialize_
+from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer
+from colossalai.booster.precision import Precision
+from colossalai.booster.wrappers import BoostedOptimizer
+
+__all__ = ["ZeroPlugin", "ZeroBoostedOptimizer"]
+
+
+class ZeroBoostedOptimizer(BoostedOptimizer):
+    """The Booster's view of a ``ZeroOptimizer``: it scales, unscales, checks overflow and clips itself."""
+
+    def __init__(self, zero) -> None:
+        super().__init__(zero.optimizer, scaler=zero.scaler, params=[])
+        self.engine = zero
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()`` scaled by ZeRO's loss scaler (fp16)."""
+        self.engine.backward(loss)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Clip inside the next ``step()`` (the norm spans every rank's shards); returns None —
+        read ``engine.last_grad_norm`` after the step."""
+        if norm_type != 2.0:
+            raise NotImplementedError(f"ZeroPlugin clips the 2-norm only, got norm_type={norm_type}")
+        self.engine.config.max_grad_norm = float(max_norm)
+
+    def step(self, *args, **kwargs) -> None:
+        """One ZeRO step (skipped, everywhere, when a gradient overflowed)."""
+        self.last_step_skipped = not self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients."""
+        self.engine.zero_grad(set_to_none)
+
+    def unwrap(self):
+        """The ``ZeroOptimizer`` engine."""
+        return self.engine
+
+
+class ZeroPlugin(Plugin):
+    """``ZeroPlugin(stage=2, offload=False)``: optimizer states (1), + gradients (2), + parameters
+    (3) sharded over the data-parallel ranks (the whole world); ``offload`` keeps fp32 master
+    shards, gradients and optimizer states on the CPU. Mixed precision is ZeRO's own (fp16 with
+    its dynamic loss scaler, or bf16). One model per plugin instance.
+    """
+
+    name = "zero"
+    handles_precision = True
+
+    def __init__(self, *, stage: int = 2, offload: bool = False, bucket_numel: int = 2**22, prefetch: bool = True):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        self.stage, self.offload = stage, bool(offload)
+        self.zero_kwargs = dict(bucket_numel=bucket_numel, prefetch=prefetch)
+        self.engine = None
+        self._index_names: list[str] = []
+
+    def configure(self, model: nn.Module, optimizer, precision: Precision):
+        """Materialise ``model`` on this rank's device and hand it with ``optimizer`` to ZeRO."""
+        from colossal.zero import ZeroOptimizer
+
+        if optimizer is None:
+            raise ValueError("ZeroPlugin needs an optimizer to shard (boost(model, optimizer, ...))")
+        if not torch.distributed.is_initialized():
+            raise ValueError("ZeroPlugin needs torch.distributed initialised (run under torchrun or launch())")
+        if self.engine is not None:
+            raise ValueError("this ZeroPlugin already manages a model; create one plugin per model")
+        names = param_names(model)
+        model = materialize_(model, self.device)
+        rebind_optimizer(optimizer, names, model)
+        current = param_names(model)
+        self._index_names = [current[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        with torch.profiler.record_function("colossalai.booster::zero_wrap"):
+            self.engine = ZeroOptimizer(
+                optimizer,
+                model,
+                stage=self.stage,
+                offload=self.offload,
+                param_dtype=precision.dtype,
+                **self.zero_kwargs,
+            )
+        return model, ZeroBoostedOptimizer(self.engine)
+
+    def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
+        """ZeRO's gradient accumulation context."""
+        return self.engine.no_sync()
+
+    # ---- state: gathered, name-keyed (see the module note) ---------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """Full fp32 parameters (and buffers) keyed by name."""
+        return self.engine.full_model_state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
+        """Scatter full parameters into ZeRO's shards."""
+        self.engine.load_full_model_state_dict(state)
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full model on every rank (rank 0 writes exports)."""
+        return self.engine.full_model_state_dict()
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
+        """ZeRO's gathered optimizer state re-keyed from indices to parameter names."""
+        self._init_state()
+        sd = self.engine.state_dict()
+        state = {self._index_names[i]: v for i, v in sd["state"].items()}
+        groups = [{**g, "params": [self._index_names[i] for i in g["params"]]} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
+        """Inverse of :meth:`optimizer_state_dict` (the loss scaler travels in the run state)."""
+        index = {n: i for i, n in enumerate(self._index_names)}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+        sd = {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}
+        self.engine.load_state_dict(sd)
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Give a never-stepped optimizer its state tensors (a zero-gradient, zero-lr step), so that
+        DCP knows what to read into; the parameters do not change."""
+        inner = self.engine.optimizer
+        if inner.state:
+            return
+        lrs = [g["lr"] for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        for g, lr in zip(inner.param_groups, lrs, strict=True):
+            g["lr"] = lr
+            for p in g["params"]:
+                p.grad = None
+
+    def __repr__(self) -> str:
+        return f"ZeroPlugin(stage={self.stage}, offload={self.offload})"
