@@ -1,14 +1,18 @@
 """1D (Megatron) layers: forward and gradients equal the dense layer on 2 and 4 ranks, the
 communication per layer equals the documented formula, and parameters are split by P."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from tp_gpt_reference import Block, GPTConfig
 from tp_testing import assert_close, counted, param_bytes
 
 from colossal.comm import CommCounter
 from colossal.comm.testing import run_distributed
+from colossal.tensor_parallel import apply_1d, gpt_plan
 from colossal.tensor_parallel import one_d as T
 
 B, S, H, OUT, V = 2, 8, 16, 32, 32
@@ -87,6 +91,23 @@ def _run_head_and_loss(counter, p, r, group):
     assert_close(T.LayerNorm1D.from_dense(ln)(x), ln(x), "LayerNorm1D")
 
 
+def _block(counter, p, group):
+    """A whole GPT block: parity, and Megatron's 2 all-reduces forward + 2 backward of (N, C)."""
+    dense = Block(GPTConfig(n_embd=H, n_head=4))
+    x = torch.randn(B, S, H, requires_grad=True)
+    g = torch.randn(B, S, H)
+    dense(x).backward(g)
+    par = apply_1d(
+        copy.deepcopy(dense), group, {k.removeprefix("blocks.*."): v for k, v in gpt_plan().items() if "*" in k}
+    )
+    xp = x.detach().clone().requires_grad_()
+    out, nbytes = counted(counter, lambda: (o := par(xp), o.backward(g))[0])
+    assert_close(out, dense(x), "block output")
+    assert_close(xp.grad, x.grad, "block input grad")
+    assert_close(par.mlp.fc_in.weight.grad, _chunk(dense.mlp.fc_in.weight.grad, 0, p, dist.get_rank()), "fc_in grad")
+    assert nbytes == {"all_reduce": 4 * N * H * F32}, nbytes
+
+
 def _layers(p):
     torch.manual_seed(0)
     group, r = dist.group.WORLD, dist.get_rank()
@@ -95,6 +116,7 @@ def _layers(p):
         _run_linear("row", counter, p, r, group)
         _run_embeddings(counter, p, r, group)
         _run_head_and_loss(counter, p, r, group)
+        _block(counter, p, group)
         x = torch.randn(B, S, H, requires_grad=True)
         part = T.split_input_1d(x, group)
         assert_close(T.gather_output_1d(part, group), x, "split then gather")

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from colossal.comm import copy_to_group, gather_along_dim, reduce_from_group, split_along_dim
 from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan
+from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, resolve_plan
 from colossal.tensor_parallel.validation import check_divisible
 
 __all__ = [
@@ -71,6 +71,9 @@ class Linear1D(nn.Module):
         self.group, self.style = group, style
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.input_is_parallel = gather_output, input_is_parallel
+        self.sync_input_grad = True
+        """``col`` only: all-reduce the input gradient here (off when the parent already does it once
+        for several projections of the same input, see :func:`apply_1d`)."""
         self.weight = _param((out_features // split_out, in_features // split_in))
         self.bias = nn.Parameter(torch.zeros(out_features // split_out)) if bias else None
 
@@ -88,7 +91,8 @@ class Linear1D(nn.Module):
         """See the class docstring for the layouts."""
         with torch.profiler.record_function(f"colossal.tensor_parallel::linear1d_{self.style}"):
             if self.style == "col":
-                y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)  # (..., out/P)
+                x = copy_to_group(x, self.group) if self.sync_input_grad else x
+                y = F.linear(x, self.weight, self.bias)  # (..., out/P)
                 return gather_along_dim(y, -1, self.group) if self.gather_output else y
             if not self.input_is_parallel:
                 x = split_along_dim(x, -1, self.group)  # (..., in/P)
@@ -200,10 +204,29 @@ def cross_entropy_1d(logits: torch.Tensor, target: torch.Tensor, group: ProcessG
     return vocab_parallel_cross_entropy(logits, target, group, start, (), reduction)
 
 
-def apply_1d(model: nn.Module, group: ProcessGroup, plan: dict | None = None) -> nn.Module:
+def _share_input_grad_sync(model: nn.Module, plan: dict, group: ProcessGroup) -> None:
+    """[Note: one input all-reduce for q, k and v]
+    Three column-parallel projections of the same input would all-reduce three input gradients
+    (Megatron fuses QKV into one linear for this reason). For each ``HEADS`` module whose direct
+    children are column-parallel, the all-reduce moves to one pre-hook on the module's input and
+    the children skip theirs: the module's input must feed only those projections (true of the
+    GPT attention and of any attention computing q, k, v from its input)."""
+    for _name, module, style in resolve_plan(model, plan):
+        cols = [m for m in module.children() if isinstance(m, Linear1D) and m.style == "col"]
+        if style != Style.HEADS or not cols:
+            continue
+        for m in cols:
+            m.sync_input_grad = False
+        module.register_forward_pre_hook(lambda mod, args: (copy_to_group(args[0], group), *args[1:]))
+
+
+def apply_1d(
+    model: nn.Module, group: ProcessGroup, plan: dict | None = None, share_input_grad_sync: bool = True
+) -> nn.Module:
     """Convert ``model`` in place with ``plan`` (default :func:`gpt_plan`) over ``group``.
 
-    ``POS_EMBED`` and ``NORM`` stay replicated (unchanged modules)."""
+    ``POS_EMBED`` and ``NORM`` stay replicated (unchanged modules). ``share_input_grad_sync``: see
+    ``[Note: one input all-reduce for q, k and v]`` in :func:`_share_input_grad_sync`."""
     factories = {
         Style.COL: lambda m: Linear1D.from_dense(m, group, "col"),
         Style.ROW: lambda m: Linear1D.from_dense(m, group, "row"),
@@ -213,5 +236,9 @@ def apply_1d(model: nn.Module, group: ProcessGroup, plan: dict | None = None) ->
         Style.POS_EMBED: lambda m: None,
         Style.NORM: lambda m: None,
     }
+    plan = plan or gpt_plan("1d")
     with torch.profiler.record_function("colossal.tensor_parallel::apply_1d"):
-        return convert_model(model, plan or gpt_plan("1d"), factories, dist.get_world_size(group), "1d")
+        convert_model(model, plan, factories, dist.get_world_size(group), "1d")
+        if share_input_grad_sync:
+            _share_input_grad_sync(model, plan, group)
+        return model
