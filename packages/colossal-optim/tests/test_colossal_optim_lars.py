@@ -11,7 +11,7 @@ from colossal.optim import Lars
 STEPS = 5
 
 
-def lars_reference(ws, grads_by_step, *, lrs, momentum, wd, eta, eps, trust):
+def lars_reference(ws, grads_by_step, *, lrs, momentum, wd, eta, eps, trust, return_v=False):
     """Algorithm 1 of You et al. (2017): v = m v + lr * lambda * (g + wd w); w = w - v (v_0 = 0)."""
     ws = [w.clone() for w in ws]
     vs = [torch.zeros_like(w) for w in ws]
@@ -24,7 +24,7 @@ def lars_reference(ws, grads_by_step, *, lrs, momentum, wd, eta, eps, trust):
                 local = 1.0
             vs[i] = momentum * vs[i] + lrs[t] * local * (g + wd[i] * w)
             ws[i] = w - vs[i]
-    return ws
+    return (ws, vs) if return_v else ws
 
 
 @pytest.mark.parametrize("wd", [0.0, 5e-4])
@@ -47,6 +47,29 @@ def test_matches_paper_float64(wd, momentum):
     )  # fmt: skip
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.detach(), r, rtol=1e-10, atol=1e-12)
+
+
+def test_fp32_small_scales_and_zero_lr_match_float64():
+    # fp32 parameters, tiny lr * ratio (~1e-6) and an lr of 0 mid-training: the rescaled momentum
+    # buffer of [Note: LARS through the fused SGD kernel] must stay exact to fp32 rounding.
+    ws = [w.float().double() for w in make_params(5)]
+    grads = [[g.float().double() for g in step] for step in (make_grads(5, t) for t in range(STEPS))]
+    lrs = [0.01, 0.0, 0.02, 0.005, 0.01]
+    params = [torch.nn.Parameter(w.float()) for w in ws]
+    opt = Lars(params, lr=1.0, momentum=0.9, weight_decay=1e-4, eta=1e-3)
+    for t, g_step in enumerate(grads):
+        opt.param_groups[0]["lr"] = lrs[t]
+        for p, g in zip(params, g_step):
+            p.grad = g.float()
+        opt.step()
+    ref, ref_v = lars_reference(
+        ws, grads, lrs=lrs, momentum=0.9, wd=[1e-4] * 4, eta=1e-3, eps=1e-8, trust=[True] * 4, return_v=True
+    )
+    for p, r, v in zip(params, ref, ref_v):
+        st = opt.state[p]
+        # the velocity v = scale * buffer carries the tiny scales: fp32-exact (1e-5 relative)
+        torch.testing.assert_close(st["momentum_buffer"].double() * st["scale"], v, rtol=1e-5, atol=1e-12)
+        torch.testing.assert_close(p.double(), r, rtol=1e-6, atol=1e-6)
 
 
 def test_zero_norms_use_ratio_one():

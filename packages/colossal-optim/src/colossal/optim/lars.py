@@ -8,7 +8,10 @@ Per parameter ``w`` with gradient ``g``, global learning rate ``lr``, momentum `
     w = w - v
 
 The learning rate sits inside the momentum, as in the paper (it matters when a scheduler changes
-``lr``). A group with ``trust_ratio=False`` (biases, norm weights) uses ``ratio = 1``.
+``lr``). A group with ``trust_ratio=False`` (biases, norm weights) uses ``ratio = 1``. Each
+tensor's update is one pass of torch's fused SGD kernel (see ``[Note: LARS through the fused SGD
+kernel]``): the momentum buffer in the state is ``v / (lr * ratio)`` of the last step, with that
+scale stored as ``state["scale"]``.
 """
 
 from __future__ import annotations
@@ -82,14 +85,32 @@ class Lars(LayerwiseOptimizer):
         for p, g, scale in zip(params, grads, scales):
             if g is None:
                 continue
-            state = self.state[p]
-            buf = state.get("momentum_buffer")
-            if momentum == 0.0 or buf is None:
-                buf = torch.mul(g, scale)  # v_1 = lr * ratio * d (v_0 = 0)
-                if momentum != 0.0:
-                    state["momentum_buffer"] = buf
-            else:
-                buf.mul_(momentum).add_(g, alpha=scale)
-            if wd:
-                buf.add_(p, alpha=scale * wd)
-            p.sub_(buf)
+            self._fused_update(p, g, scale, wd, momentum)
+
+    def _fused_update(self, p: Tensor, g: Tensor, scale: float, wd: float, momentum: float) -> None:
+        # [Note: LARS through the fused SGD kernel]
+        # torch's fused SGD does, in one pass: d = g + wd * w; b = mu * b + d; w -= lr * b.
+        # The paper's v_t = m v_(t-1) + s_t d (s_t = lr * ratio changes every step) is kept as
+        # b_t = v_t / s_t, so mu = m * s_(t-1) / s_t and lr = s_t give exactly w -= v_t.
+        # state["momentum_buffer"] holds b, state["scale"] holds s of the step that wrote it.
+        if momentum == 0.0:
+            self._sgd(p, g, [], wd, 0.0, scale)
+            return
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["scale"] = 1.0
+        buf, prev = state["momentum_buffer"], float(state["scale"])
+        if scale == 0.0:  # v_t = m v_(t-1): decay b, keep its scale
+            buf.mul_(momentum)
+            p.sub_(buf, alpha=prev)
+            return
+        self._sgd(p, g, [buf], wd, momentum * prev / scale, scale)
+        state["scale"] = scale
+
+    @staticmethod
+    def _sgd(p: Tensor, g: Tensor, bufs: list[Tensor], wd: float, momentum: float, lr: float) -> None:
+        torch._fused_sgd_(
+            [p], [g], bufs, weight_decay=wd, momentum=momentum, lr=lr, dampening=0.0, nesterov=False,
+            maximize=False, is_first_step=False,
+        )  # fmt: skip
