@@ -47,8 +47,8 @@ def _run(fn, world, *args):
 MATRIX = [
     (("ddp", 2), ("zero2", 1)),
     (("zero3", 2), ("fsdp", 1)),
-    (("fsdp", 2), ("zero1", 2)),
-    (("zero2", 2), ("ddp", 1)),
+    (("fsdp", 2), ("gemini", 2)),
+    (("gemini", 2), ("zero1", 1)),
 ]
 
 

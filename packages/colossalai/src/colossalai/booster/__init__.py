@@ -3,6 +3,7 @@
 from colossalai.booster.booster import Booster, RunState
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
+from colossalai.booster.gemini_plugin import GeminiPlugin
 from colossalai.booster.plugin import Plugin
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer
@@ -15,6 +16,7 @@ __all__ = [
     "TorchDDPPlugin",
     "TorchFSDPPlugin",
     "ZeroPlugin",
+    "GeminiPlugin",
     "Precision",
     "BoostedModel",
     "BoostedOptimizer",

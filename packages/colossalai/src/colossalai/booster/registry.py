@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
+from colossalai.booster.gemini_plugin import GeminiPlugin
 from colossalai.booster.plugin import Plugin
 from colossalai.booster.zero_plugin import ZeroPlugin
 
@@ -13,6 +14,7 @@ PLUGINS: dict[str, type[Plugin]] = {
     "ddp": TorchDDPPlugin,
     "fsdp": TorchFSDPPlugin,
     "zero": ZeroPlugin,
+    "gemini": GeminiPlugin,
 }
 """CLI name -> plugin class."""
 

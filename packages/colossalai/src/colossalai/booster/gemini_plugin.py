@@ -1,0 +1,160 @@
+"""Gemini: chunk-based heterogeneous memory (device + host tiers) through ``colossal.gemini``.
+
+Checkpoints use Gemini's gathered, name-keyed states (see [Note: ZeRO state in checkpoints] in
+``zero_plugin.py``, same trade-off), re-shaped into the ``torch.distributed.checkpoint.state_dict``
+layout so that they interchange with every other plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from colossalai.booster.ddp_plugin import materialize_
+from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer
+from colossalai.booster.precision import Precision
+from colossalai.booster.wrappers import BoostedOptimizer
+
+__all__ = ["GeminiPlugin", "GeminiBoostedOptimizer", "CPU_DEFAULT_BUDGET"]
+
+CPU_DEFAULT_BUDGET = 1 << 30
+"""Device budget used on CPU-only machines when none is given (1 GiB; Gemini enforces it by accounting)."""
+
+
+class GeminiBoostedOptimizer(BoostedOptimizer):
+    """The Booster's view of a ``GeminiOptimizer`` (it scales, checks overflow and clips itself)."""
+
+    def __init__(self, gemini_optim) -> None:
+        super().__init__(gemini_optim.optim, scaler=gemini_optim.scaler, params=[])
+        self.engine = gemini_optim
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """Scaled backward through Gemini's chunk hooks."""
+        self.engine.backward(loss)
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
+        """Clip inside the next ``step()`` over every rank's chunk shards; returns None."""
+        self.engine.max_grad_norm, self.engine.norm_type = float(max_norm), float(norm_type)
+
+    def step(self, *args, **kwargs) -> None:
+        """One Gemini step (skipped on overflow)."""
+        self.last_step_skipped = not self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients."""
+        self.engine.zero_grad(set_to_none)
+
+    def unwrap(self):
+        """The ``GeminiOptimizer``."""
+        return self.engine
+
+
+class GeminiPlugin(Plugin):
+    """``GeminiPlugin(placement="auto"|"static", device_memory_budget=bytes)``: parameters, gradients
+    and optimizer states in chunks sharded over the data-parallel ranks and placed across device
+    and host memory under a byte budget. One model per plugin instance.
+    """
+
+    name = "gemini"
+    handles_precision = True
+
+    def __init__(
+        self,
+        *,
+        placement: str = "auto",
+        device_memory_budget: int | None = None,
+        chunk_size: int | None = None,
+        offload_optim_frac: float = 1.0,
+        offload_param_frac: float = 0.0,
+    ) -> None:
+        if placement not in ("auto", "static"):
+            raise ValueError(f"placement must be 'auto' or 'static', got {placement!r}")
+        if device_memory_budget is not None and device_memory_budget <= 0:
+            raise ValueError(f"device_memory_budget must be a positive byte count, got {device_memory_budget}")
+        self.placement, self.budget = placement, device_memory_budget
+        self.gemini_kwargs = dict(
+            chunk_size=chunk_size, offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac
+        )
+        self.model = self.engine = None
+        self._group_names: list[list[str]] = []
+
+    def configure(self, model: nn.Module, optimizer, precision: Precision):
+        """Materialise ``model``, wrap it in ``GeminiDDP`` and the optimizer in ``GeminiOptimizer``."""
+        from colossal.gemini import GeminiDDP, GeminiOptimizer
+
+        if optimizer is None:
+            raise ValueError("GeminiPlugin needs an optimizer (boost(model, optimizer, ...))")
+        if self.model is not None:
+            raise ValueError("this GeminiPlugin already manages a model; create one plugin per model")
+        names = param_names(model)
+        model = materialize_(model, self.device)
+        rebind_optimizer(optimizer, names, model)
+        current = param_names(model)
+        self._group_names = [[current[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        budget = self.budget or (CPU_DEFAULT_BUDGET if self.device.type == "cpu" else None)
+        mp = None if precision is Precision.FP32 else precision.dtype
+        with torch.profiler.record_function("colossalai.booster::gemini_wrap"):
+            self.model = GeminiDDP(model, placement=self.placement, device_memory_budget=budget, mixed_precision=mp,
+                                   device=self.device, **self.gemini_kwargs)  # fmt: skip
+            self.engine = GeminiOptimizer(optimizer, self.model)
+        return self.model, GeminiBoostedOptimizer(self.engine)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside ``GeminiDDP``."""
+        return getattr(model, "module", model)
+
+    def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
+        """Gemini accumulates across backward passes by itself (it still reduces each one)."""
+        return contextlib.nullcontext()
+
+    # ---- state -------------------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """Gathered fp32 parameters keyed by the module's names (collective)."""
+        return self.model.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
+        """Scatter full parameters into Gemini's chunks."""
+        self.model.load_state_dict(state)
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full model on every rank."""
+        return self.model.state_dict()
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
+        """Gemini's name-keyed optimizer state in the ``torch.distributed.checkpoint`` layout."""
+        from colossal.gemini import checkpoint as gemini_checkpoint
+
+        self._init_state()
+        sd = gemini_checkpoint.optimizer_state_dict(self.engine)
+        groups = [{**g, "params": names} for g, names in zip(sd["param_groups"], self._group_names, strict=True)]
+        return {"state": sd["state"], "param_groups": groups}
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
+        """Inverse of :meth:`optimizer_state_dict` (the loss scaler travels in the run state)."""
+        from colossal.gemini import checkpoint as gemini_checkpoint
+
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+        sd = {"state": state["state"], "param_groups": groups, "loss_scaler": self.engine.scaler.state_dict()}
+        gemini_checkpoint.load_optimizer_state_dict(self.engine, sd)
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Zero-gradient, zero-lr step of the inner optimizer so its state exists (values unchanged)."""
+        inner = self.engine.optim
+        if inner.state:
+            return
+        lrs = [g["lr"] for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        for g, lr in zip(inner.param_groups, lrs, strict=True):
+            g["lr"] = lr
+            for p in g["params"]:
+                p.grad = None
+
+    def __repr__(self) -> str:
+        return f"GeminiPlugin(placement={self.placement!r}, device_memory_budget={self.budget})"
