@@ -31,9 +31,9 @@ def load_summaries(directory: str) -> dict[int, list[dict[str, Any]]]:
     return dict(sorted(out.items()))
 
 
-def _mean(lines: list[dict[str, Any]], key: str) -> float:
+def _mean(lines: list[dict[str, Any]], key: str, scale: float = 1.0) -> float | None:
     values = [line[key] for line in lines if line.get(key) is not None]
-    return statistics.fmean(values) if values else 0.0
+    return statistics.fmean(values) * scale if values else None
 
 
 def _merge_ops(lines: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -70,19 +70,19 @@ def summarize(directory: str) -> str:
     headers = ("rank", "steps", *(f"{k}_ms" for k in _FIGURES), "comm_MB", "tokens_per_s", "mfu")
     rows = []
     for rank, lines in per_rank.items():
-        times = [_mean(lines, k) * 1e3 for k in _FIGURES]
+        times = [_mean(lines, k, 1e3) for k in _FIGURES]
         rows.append(
             (
                 rank,
                 len(lines),
                 *times,
-                _mean(lines, "comm_bytes") / 1e6,
+                _mean(lines, "comm_bytes", 1e-6),
                 _mean(lines, "tokens_per_s"),
                 _mean(lines, "mfu"),
             )
         )
     every = [line for lines in per_rank.values() for line in lines]
-    slowest = max(per_rank, key=lambda r: _mean(per_rank[r], "step_time"))
+    slowest = max(per_rank, key=lambda r: _mean(per_rank[r], "step_time") or 0.0)
     parts = [
         "## Per rank (means over recorded steps)",
         format_table(headers, rows),

@@ -25,10 +25,14 @@ __all__ = ["MemoryRecorder", "device_allocated", "model_bytes"]
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_STATM: list[int] = []  # an fd of /proc/self/statm, opened once: pread is ~1 µs, open+read ~20 µs
+
+
 def _rss() -> int:
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        if not _STATM:
+            _STATM.append(os.open("/proc/self/statm", os.O_RDONLY))
+        return int(os.pread(_STATM[0], 128, 0).split()[1]) * _PAGE
     except OSError:
         try:
             import psutil
@@ -59,6 +63,28 @@ def model_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
     return total
 
 
+class _ModelBytes:
+    """:func:`model_bytes`, fast enough to call at every phase boundary.
+
+    Parameter sizes are taken once; a gradient is counted with its parameter's size when present
+    (autograd gradients have the parameter's shape); optimizer states are recounted only when the
+    number of parameters with state changes (standard optimizers allocate state once).
+    """
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> None:
+        self._params, self._optimizer = params, optimizer
+        self._sizes = [_tensor_bytes(p) for p in params]
+        self._param_bytes = sum(self._sizes)
+        self._states, self._state_bytes = -1, 0
+
+    def __call__(self) -> int:
+        grads = sum(size for p, size in zip(self._params, self._sizes) if p.grad is not None)
+        if self._optimizer is not None and len(self._optimizer.state) != self._states:
+            self._states = len(self._optimizer.state)
+            self._state_bytes = model_bytes((), self._optimizer)
+        return self._param_bytes + grads + self._state_bytes
+
+
 class MemoryRecorder:
     """Samples memory into the current step; also receives Gemini/ZeRO memory events."""
 
@@ -71,10 +97,10 @@ class MemoryRecorder:
     ) -> None:
         self._step, self._clock = step, clock
         self._params = list(model.parameters()) if model is not None else []
-        self._optimizer = optimizer
         first = self._params[0].device if self._params else torch.device("cpu")
         self.device = first if first.type != "meta" else torch.device("cpu")
         """Device sampled by the profiler's own sampler (that of the model's first parameter)."""
+        self._count = _ModelBytes(self._params, optimizer)
         self._model_bytes = 0
 
     def sample(self, label: str, *, recount: bool = True) -> None:
@@ -83,7 +109,7 @@ class MemoryRecorder:
         if rec is None:
             return
         if recount:
-            self._model_bytes = model_bytes(self._params, self._optimizer)
+            self._model_bytes = self._count()
         total = device_allocated(self.device)
         tier = str(self.device)
         point = MemoryPoint(self._clock(), tier, self._model_bytes, max(total - self._model_bytes, 0), label)

@@ -182,7 +182,10 @@ class Profiler:
         self._spans = SpanOpener(current, self._clock)
         self._memory = MemoryRecorder(current, self._clock, self.model, self.optimizer)
         self._comm = CommRecorder(lambda: self._current.comm if self._current is not None else None)
-        phase_boundary = self._memory.sample if cfg.memory else None
+        # Model data changes when gradients appear or go and when optimizer states are made: recount
+        # only at the ends of backward and optimizer (and at step boundaries); elsewhere reuse it.
+        recount = ("backward:end", "optimizer:end")
+        phase_boundary = (lambda label: self._memory.sample(label, recount=label in recount)) if cfg.memory else None
         module_boundary = (lambda label: self._memory.sample(label, recount=False)) if cfg.memory else None
         self._phases = PhaseRecorder(self._spans, phase_boundary)
         self._modules = ModuleRecorder(self._spans, module_boundary, cfg.flops)

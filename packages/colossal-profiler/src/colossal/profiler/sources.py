@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from types import ModuleType
 
 __all__ = ["optional_module", "COMM", "MEMORY_SOURCES"]
@@ -26,5 +27,11 @@ def optional_module(name: str) -> ModuleType | None:
             return None
     except (ImportError, ValueError):  # a parent package is missing or broken
         return None
-    module = importlib.import_module(name)
+    try:
+        module = importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - a broken optional sibling must not break profiling
+        warnings.warn(
+            f"colossal.profiler: {name} is installed but failed to import ({err!r}); ignoring it", stacklevel=2
+        )
+        return None
     return module if callable(getattr(module, "register_observer", None)) else None

@@ -90,6 +90,8 @@ def step_summary(rec: StepRecord, figures: StepFigures, rank: int, world_size: i
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)

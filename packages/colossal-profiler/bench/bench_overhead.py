@@ -1,0 +1,215 @@
+"""Profiler overhead on a small GPT training step: off, counters, full trace (ratios in one run).
+
+Modes, each against the plain step (no profiler) measured in the same run, interleaved round by
+round so that machine noise hits every mode alike. Both wall time and process CPU time are
+reported: on a shared CPU machine the CPU-time ratios are the stable ones (other processes
+stretch wall time but not our CPU time); on a GPU the wall-time ratios are what matter.
+
+* ``off``      -- ``Profiler(enabled=False)``: nothing attached, ``step()`` counts;
+* ``counters`` -- comm + memory + phase spans, per-step figures in memory, no files;
+* ``full``     -- also module spans (depth 2) with memory samples at module boundaries, and every
+  step written out: Chrome trace, TensorBoard scalars/tables, JSONL summary.
+
+Run: ``python packages/colossal-profiler/bench/bench_overhead.py [--rounds 9 --steps 10]``.
+Writes ``$COLOSSAL_BENCH_OUT/colossal-profiler-overhead.json`` (default ``./bench-results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from colossal.profiler import Profiler, Schedule
+
+
+# ---- the tiny GPT of CONTRACTS.md (nanoGPT-like), copied: benches may not import colossalai ----
+@dataclasses.dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_embd: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        c, b = cfg.n_embd, cfg.bias
+        self.q_proj, self.k_proj, self.v_proj = (
+            nn.Linear(c, c, bias=b),
+            nn.Linear(c, c, bias=b),
+            nn.Linear(c, c, bias=b),
+        )
+        self.out_proj, self.resid_drop, self.n_head = nn.Linear(c, c, bias=b), nn.Dropout(cfg.dropout), cfg.n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (
+            p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.resid_drop(self.out_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc_in, self.fc_out = (
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
+        )
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc_out(F.gelu(self.fc_in(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd, bias=cfg.bias), CausalSelfAttention(cfg)
+        self.ln_2, self.mlp = nn.LayerNorm(cfg.n_embd, bias=cfg.bias), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop, self.blocks = nn.Dropout(cfg.dropout), nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f, self.lm_head = (
+            nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False),
+        )
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
+# ---- the measurement ------------------------------------------------------------------------------
+def _profiler(mode: str, model: nn.Module, opt: torch.optim.Optimizer, out_dir: str, tokens: int):
+    if mode == "plain":
+        return contextlib.nullcontext(None)
+    if mode == "off":
+        return Profiler(model, opt, enabled=False)
+    every = Schedule(active=1, repeat=0)  # every step recorded
+    if mode == "counters":
+        return Profiler(
+            model,
+            opt,
+            schedule=every,
+            modules=False,
+            trace=False,
+            tensorboard=False,
+            summary=False,
+            tokens_per_step=tokens,
+        )
+    # one cycle of all the run's steps: trace, TensorBoard and JSONL written when the run ends
+    cycle = Schedule(active=10**9, repeat=1)
+    return Profiler(model, opt, schedule=cycle, out_dir=out_dir, module_depth=2, tokens_per_step=tokens)
+
+
+def _run(mode: str, model, opt, batch, steps: int, out_dir: str) -> tuple[float, float]:
+    """Wall and process-CPU seconds per step of ``steps`` steps under ``mode`` (writing outputs included)."""
+    idx, targets = batch
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with _profiler(mode, model, opt, out_dir, idx.numel()) as prof:
+        for _ in range(steps):
+            logits = model(idx)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if prof is not None:
+                prof.step()
+        if idx.is_cuda:
+            torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_embd=args.n_embd, n_layer=args.n_layer, n_head=4)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=device)
+    batch = (idx, torch.roll(idx, -1, dims=1))
+    modes = ("plain", "off", "counters", "full")
+    runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for mode in modes:  # warm-up: first-call effects, lazy imports of the event sources
+            _run(mode, model, opt, batch, 2, out_dir)
+        for _ in range(args.rounds):
+            for mode in modes:
+                runs[mode].append(_run(mode, model, opt, batch, args.steps, out_dir))
+    result = {
+        "device": str(device), "torch": torch.__version__, "config": dataclasses.asdict(cfg), "batch": args.batch,
+        "threads": torch.get_num_threads(), "rounds": args.rounds, "steps": args.steps,
+    }  # fmt: skip
+    for i, clock in enumerate(("wall", "cpu")):
+        median = {m: statistics.median(r[i] for r in runs[m]) for m in modes}
+        result[f"{clock}_seconds_per_step_median"] = median
+        result[f"{clock}_ratio_vs_plain"] = {m: median[m] / median["plain"] for m in modes[1:]}
+        print(
+            f"{clock} time, device {device}: plain step {median['plain'] * 1e3:.2f} ms"
+            f" (median of {args.rounds} x {args.steps})"
+        )
+        for mode, ratio in result[f"{clock}_ratio_vs_plain"].items():
+            print(f"  {mode:9s} {median[mode] * 1e3:8.2f} ms/step   ratio vs plain {ratio:.4f}")
+    off_cost = _off_step_cost()
+    result["off_step_call_seconds"] = off_cost
+    result["off_step_call_fraction"] = off_cost / result["wall_seconds_per_step_median"]["plain"]
+    print(f"off: prof.step() costs {off_cost * 1e9:.0f} ns = {result['off_step_call_fraction'] * 100:.5f}% of a step")
+    out = os.environ.get("COLOSSAL_BENCH_OUT", "bench-results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "colossal-profiler-overhead.json"), "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def _off_step_cost(n: int = 200_000) -> float:
+    """Seconds per ``step()`` of a disabled profiler (the only thing ``off`` adds to a step)."""
+    prof = Profiler(enabled=False)
+    with prof:
+        start = time.perf_counter()
+        for _ in range(n):
+            prof.step()
+        return (time.perf_counter() - start) / n
+
+
+if __name__ == "__main__":
+    main()
