@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastfold_testutils import rand, rand_mask, randomize_, tiny_evo, tiny_extra, tiny_template
 
-from colossal.comm import CommCounter
+from colossal.comm import CommCounter, register_observer
 from colossal.comm.testing import run_distributed
 from fastfold import Dap, EvoformerStack, ExtraMSAStack, TemplatePairStack, reduce_gradients
 
@@ -78,18 +78,26 @@ def test_dap_4_ranks_evoformer():
 
 def rank_comm_pattern():
     model = EvoformerStack(tiny_evo(no_blocks=2)).double().eval()
-    with torch.no_grad(), CommCounter() as counter:
-        model(rand(4, 6, 12), rand(6, 6, 8), dap=Dap())
-    return dict(counter.calls)
+    events = []
+    handle = register_observer(events.append)
+    try:
+        with torch.no_grad(), CommCounter() as counter:
+            model(rand(4, 6, 12), rand(6, 6, 8), dap=Dap())
+    finally:
+        handle.remove()
+    overlapped = sorted({e.tag for e in events if e.async_op})
+    return dict(counter.calls), overlapped
 
 
 def test_dap_comm_pattern_per_block():
     """Per block: 2 MSA all-to-alls (seq<->res), 4 pair all-to-alls (row<->col twice), 7 all-gathers
     (row-attention bias, OPM right projection + its mask, the two triangle-update operands, the two
     triangle-attention biases); the trunk adds 3 output gathers (m, z, s)."""
-    calls = run_distributed(rank_comm_pattern, 2, timeout=60)[0]
+    calls, overlapped = run_distributed(rank_comm_pattern, 2, timeout=60)[0]
     assert calls["all_to_all"] == 2 * 6
     assert calls["all_gather"] == 2 * 7 + 3
+    # the row-attention bias gather and the MSA all-to-all back to the sequence split run async
+    assert overlapped == ["fastfold.dap.all_to_all", "fastfold.dap.gather"]
 
 
 def rank_too_many_ranks():

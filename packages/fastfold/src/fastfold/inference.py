@@ -23,7 +23,7 @@ from fastfold.config import EvoformerConfig
 from fastfold.memory import current_rss_bytes, peak_device_bytes, peak_rss_bytes, reset_peak_memory
 from fastfold.model import EvoformerStack
 
-__all__ = ["TrunkSpec", "TrunkResult", "run_evoformer", "run_trunk", "main"]
+__all__ = ["TrunkSpec", "TrunkResult", "run_evoformer", "run_trunk", "spawn_ranks", "main"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -148,6 +148,11 @@ def _rank_main(spec: TrunkSpec) -> TrunkResult:
 
 def run_trunk(spec: TrunkSpec, timeout: float = 3600.0) -> list[TrunkResult]:
     """Run ``spec`` on ``spec.dap_size`` fresh local processes; one :class:`TrunkResult` per rank."""
+    return spawn_ranks(_rank_main, spec, timeout=timeout)
+
+
+def spawn_ranks(fn, spec: TrunkSpec, *args, timeout: float = 3600.0) -> list:
+    """Run module-level ``fn(spec, *args)`` on ``spec.dap_size`` fresh local gloo/NCCL processes."""
     from colossal.comm.testing import run_distributed
 
     threads = spec.threads or max(1, (os.cpu_count() or 1) // spec.dap_size)
@@ -155,7 +160,7 @@ def run_trunk(spec: TrunkSpec, timeout: float = 3600.0) -> list[TrunkResult]:
     # (glibc's adaptive threshold would otherwise keep freed activations in the heap). Takes
     # effect for the worker processes started after this point.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
-    return run_distributed(_rank_main, spec.dap_size, spec, timeout=timeout, threads=threads)
+    return run_distributed(fn, spec.dap_size, spec, *args, timeout=timeout, threads=threads)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from torch import nn
 
 from fastfold.parallel import Dap, reduce_gradients
 
-__all__ = ["train_step"]
+__all__ = ["train_step", "run_training"]
 
 
 def train_step(
@@ -36,3 +36,38 @@ def train_step(
     with torch.profiler.record_function("fastfold::optimizer_step"):
         optimizer.step()
     return float(loss.detach())
+
+
+def _rank_train(spec, steps: int):
+    import os
+    import time
+
+    from fastfold.inference import TrunkResult, _load
+    from fastfold.memory import current_rss_bytes, peak_rss_bytes, reset_peak_memory
+
+    torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // spec.dap_size))
+    model, feats = _load(spec, torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"))
+    dap = Dap() if spec.dap_size > 1 else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    loss_fn = lambda m, z, s: m.pow(2).mean() + z.pow(2).mean() + s.pow(2).mean()
+    train_step(model, feats, opt, loss_fn, dap=dap)  # warm-up
+    reset_peak_memory()
+    base, start = current_rss_bytes(), time.perf_counter()
+    for _ in range(steps):
+        train_step(model, feats, opt, loss_fn, dap=dap)
+    seconds, peak = (time.perf_counter() - start) / steps, peak_rss_bytes()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return TrunkResult(
+        rank=rank, seconds=seconds, peak_rss_bytes=peak, activation_bytes=max(peak - base, 0), peak_device_bytes=0
+    )
+
+
+def run_training(spec, steps: int = 2, timeout: float = 3600.0) -> list:
+    """Time ``steps`` checkpointed training steps (after one warm-up) of the random model of
+    ``spec`` (a :class:`fastfold.inference.TrunkSpec`) on ``spec.dap_size`` processes; one
+    :class:`fastfold.inference.TrunkResult` per rank (``seconds`` per step)."""
+    from fastfold.inference import spawn_ranks
+
+    if steps <= 0:
+        raise ValueError(f"steps must be positive, got {steps}")
+    return spawn_ranks(_rank_train, spec, steps, timeout=timeout)
