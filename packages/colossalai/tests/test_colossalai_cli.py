@@ -79,6 +79,13 @@ def test_resume_under_fsdp_on_two_processes(first_run):
     assert "fsdp x 2 process(es)" in resumed
 
 
+@pytest.mark.parametrize("plugin", [["zero", "--zero-stage", "3"], ["gemini", "--device-budget", "8MiB"]])
+def test_train_with_component_plugins_on_two_processes(plugin, tmp_path):
+    out = _cli(*TRAIN, "--steps", "3", "--nproc", "2", "--plugin", *plugin, "--save-dir", str(tmp_path))
+    assert sorted(_losses(out)) == [1, 2, 3] and f"{plugin[0]} x 2 process(es)" in out
+    assert (tmp_path / "latest").read_text().strip() == "step-00000003"
+
+
 def test_run_launches_a_script_on_two_processes_and_via_hostfile(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(

@@ -29,13 +29,18 @@ def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _plugin(args: argparse.Namespace):
-    kwargs = {}
+    """The plugin named by ``--plugin`` with its own options (others must keep their defaults)."""
     budget = parse_bytes(args.device_budget)
-    if budget is not None:
-        if args.plugin != "gemini":
-            raise ValueError(f"--device-budget applies to --plugin gemini, got --plugin {args.plugin}")
-        kwargs["device_memory_budget"] = budget
-    return make_plugin(args.plugin, **kwargs)
+    own = {
+        "gemini": dict(placement=args.placement, device_memory_budget=budget),
+        "zero": dict(stage=args.zero_stage, offload=args.offload),
+    }
+    foreign = {"--device-budget": budget is not None, "--offload": args.offload, "--zero-stage": args.zero_stage != 2}
+    owner = {"--device-budget": "gemini", "--offload": "zero", "--zero-stage": "zero"}
+    for flag, given in foreign.items():
+        if given and owner[flag] != args.plugin:
+            raise ValueError(f"{flag} applies to --plugin {owner[flag]}, got --plugin {args.plugin}")
+    return make_plugin(args.plugin, **own.get(args.plugin, {}))
 
 
 def _schedule(optim: torch.optim.Optimizer, warmup: int, total: int):
