@@ -7,7 +7,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from colossal_zero_gpt import GPT, GPTConfig
 
+from colossal.comm import testing as _harness
 from colossal.zero import ZeroOptimizer
+
+# [Note: forkserver preload] Constructing any torch.optim optimizer imports torch._dynamo (~3 s
+# per rank on an idle core, far more on a loaded one). Preloading it in the harness's forkserver
+# (before the first run_distributed of the session) makes every rank start with it imported.
+for _mod in ("torch._dynamo", "torch.optim", "torch.distributed.checkpoint", "colossal.optim", "colossal.zero"):
+    if _mod not in _harness._PRELOAD:
+        _harness._PRELOAD.append(_mod)
 
 B, T = 2, 8  # per-rank micro-batch, sequence length
 
