@@ -92,3 +92,27 @@ def test_straggler_wait():
     assert waits0[0] > 0.2 and waits1[0] == 0.0  # the late rank waits least: it is the straggler
     assert total0 == sum(waits0) and total1 == sum(waits1)
     assert min(waits0[1], waits1[1]) == 0.0
+
+
+def _backward_rank():
+    from colossal.comm import copy_to_group
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with Profiler(model, memory=False) as prof:
+        x = torch.ones(2, 4, requires_grad=True)
+        model(copy_to_group(x)).sum().backward()  # the gradient of x is all-reduced in the backward
+    (rec,) = prof.steps[0].comm
+    phases = {s.name: (s.start, s.end) for s in prof.steps[0].spans if s.track == "phases"}
+    return rec.op, rec.nbytes, rec.caller, rec.start, rec.end, phases, prof.figures[0]
+
+
+def test_collective_inside_backward():
+    for op, nbytes, caller, start, end, phases, fig in run_distributed(_backward_rank, 2, timeout=90):
+        assert (op, nbytes) == ("all_reduce", 2 * 4 * 4)
+        assert "(_backward_rank)" in caller  # the user's backward() line, not torch's engine
+        b_start, b_end = phases["backward"]
+        assert b_start <= start and end <= b_end  # recorded inside the backward phase
+        # the blocking all-reduce is not compute: compute = forward + backward - all-reduce
+        total = sum(e - s for s, e in phases.values())
+        assert abs(fig.compute - (total - (end - start))) < 1e-9 and fig.overlap == 0.0

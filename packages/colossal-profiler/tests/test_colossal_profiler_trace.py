@@ -4,9 +4,11 @@ import gzip
 import json
 from collections import defaultdict
 
+import pytest
+import torch
 from profiler_helpers import scripted_step
 
-from colossal.profiler import ChunkMove, MemoryPoint, Span, StepRecord, trace_events
+from colossal.profiler import ChunkMove, MemoryPoint, Profiler, Schedule, Span, StepRecord, trace_events
 
 
 def _load(path):
@@ -48,13 +50,9 @@ def test_trace_file_parses_and_nests(tmp_path):
 
 
 def test_module_spans_nest_on_a_deeper_model(tmp_path):
-    import torch
-
     model = torch.nn.Sequential(
         *[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU())) for _ in range(3)]
     )
-    from colossal.profiler import Profiler
-
     with Profiler(model, out_dir=str(tmp_path), module_depth=3, discover=False) as prof:
         model(torch.randn(2, 4)).sum().backward()
     events = _load(tmp_path / "trace.rank0.cycle0.json.gz")
@@ -86,9 +84,40 @@ def test_chunk_moves_and_tier_counters():
     (counter,) = [e for e in events if e["ph"] == "C"]
     assert counter == {
         "ph": "C",
-        "name": "memory cuda",
+        "name": "colossal.gemini memory cuda",
         "pid": 3,
         "ts": 0.25e6,
         "args": {"model": 100, "non_model": 50},
     }
     json.dumps(events)  # serialisable
+
+
+class _MaybeRaise(torch.nn.Module):
+    fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("boom")
+        return x
+
+
+def test_one_trace_per_cycle_and_raising_forward(tmp_path):
+    raiser = _MaybeRaise()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(raiser))
+    schedule = Schedule(wait=1, active=2, repeat=2)
+    with Profiler(model, out_dir=str(tmp_path), schedule=schedule, discover=False) as prof:
+        for step in range(6):
+            if step == 1:  # a forward raising inside a nested module leaves no open span behind
+                raiser.fail = True
+                with pytest.raises(RuntimeError, match="boom"):
+                    model(torch.randn(2, 4))
+                raiser.fail = False
+            model(torch.randn(2, 4))
+            prof.step()
+    assert [r.step for r in prof.steps] == [1, 2, 4, 5]
+    traces = sorted(p.name for p in tmp_path.glob("trace.*"))
+    assert traces == ["trace.rank0.cycle0.json.gz", "trace.rank0.cycle1.json.gz"]
+    for path in tmp_path.glob("trace.*"):
+        _assert_nested(_load(path))
+    assert [s.name for s in prof.steps[0].spans if s.track == "modules"] == ["0", "0", "1.0", "1"]
+    assert [s.name for s in prof.steps[1].spans if s.track == "modules"] == ["0", "1.0", "1"]

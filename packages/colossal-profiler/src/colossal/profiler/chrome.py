@@ -4,7 +4,8 @@ Layout (``pid`` = rank): one thread per track. Steps, phases, modules and blocki
 complete (``X``) events, which nest on their track because the hooks open and close them in LIFO
 order; asynchronous collectives and chunk moves can overlap each other, so they are async
 (``b``/``e``) events with an id each; memory is a counter (``C``) per device or tier with the
-model and non-model bytes stacked.
+model and non-model bytes stacked (the profiler's own sampler as ``memory <device>``, events from
+Gemini/ZeRO as ``<source> memory <tier>``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ def _step_events(rec: StepRecord, rank: int, origin: float, next_id: list[int]) 
         out += async_pair(f"chunk {m.src}->{m.dst}", "chunk_move", m.start, m.end, args)
     for p in rec.memory:
         counter_args = {"model": p.model_bytes, "non_model": p.non_model_bytes}
-        out.append(
-            {"ph": "C", "name": f"memory {p.tier}", "pid": rank, "ts": _us(p.time, origin), "args": counter_args}
-        )
+        name = f"memory {p.tier}" if p.source == "sampler" else f"{p.source} memory {p.tier}"
+        out.append({"ph": "C", "name": name, "pid": rank, "ts": _us(p.time, origin), "args": counter_args})
     return out
 
 

@@ -42,7 +42,7 @@ class ModuleRecorder:
             return
         for name, mod in modules_to_depth(model, depth):
             self._handles.append(mod.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(mod.register_forward_hook(self._post))
+            self._handles.append(mod.register_forward_hook(self._post(name)))
         if self._count_flops:
             self._handles.append(model.register_forward_pre_hook(self._start_counting))
 
@@ -78,10 +78,17 @@ class ModuleRecorder:
 
         return hook
 
-    def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if not self._stack:
-            return
-        open_span, flops_before = self._stack.pop()
+    def _post(self, name: str) -> Callable[[torch.nn.Module, Any, Any], None]:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            # Pop down to this module's entry: entries above it belong to forwards that raised.
+            while self._stack and self._stack[-1][0].name != name:
+                self._stack.pop()
+            if self._stack:
+                self._close(*self._stack.pop())
+
+        return hook
+
+    def _close(self, open_span: OpenSpan, flops_before: int) -> None:
         if self.counter is not None:
             open_span.args["flops"] = self._flops() - flops_before
         span = self._spans.close(open_span)
