@@ -76,6 +76,8 @@ class ZeroConfig:
             raise ValueError(f"param_dtype must be one of {_FLOAT_DTYPES}, got {self.param_dtype}")
         for name in ("group", "replicate_group"):
             value = getattr(self, name)
+            if value is dist.GroupMember.NON_GROUP_MEMBER:
+                raise ValueError(f"{name}: this rank is not a member of it (new_group gave NON_GROUP_MEMBER)")
             if value is not None and not isinstance(value, ProcessGroup):
                 raise TypeError(f"{name} must be a ProcessGroup or None, got {type(value).__name__}")
         if self.replicate_group is not None and self.stage == 1:
