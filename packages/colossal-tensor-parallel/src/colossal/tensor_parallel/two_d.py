@@ -32,7 +32,7 @@ from colossal.comm import (
 )
 from colossal.tensor_parallel._ops import all_reduce_sum, gather_param, rows_chunk
 from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan
+from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, resolve_plan
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "gather_output_2d",
     "cross_entropy_2d",
     "layer_factories",
+    "share_input_gather",
     "apply_2d",
 ]
 
@@ -126,6 +127,8 @@ class Linear2D(nn.Module):
         # dense (out, in) -> rows = out block j, cols = in block i; all-gathered over `col` into (out/q, in)
         self.weight = nn.Parameter(_block(linear.weight, grid, (0, 1), (grid.j, grid.i)))
         self.bias = None if linear.bias is None else _vector(linear.bias, grid)
+        self.input_gathered = False
+        """The input arrives already gathered over ``row`` (``(b, ..., in)``), see :func:`apply_2d`."""
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, grid: Grid2D) -> Linear2D:
@@ -135,7 +138,8 @@ class Linear2D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` hidden block ``j`` -> output hidden block ``j``."""
         with torch.profiler.record_function("colossal.tensor_parallel::linear2d"):
-            x = all_gather_along_dim(x, -1, self.grid.row)  # (b, ..., in)
+            if not self.input_gathered:
+                x = all_gather_along_dim(x, -1, self.grid.row)  # (b, ..., in)
             w = gather_param(self.grid.replicated(self.weight), [self.grid.col], dim=1)  # (out/q, in)
             return F.linear(x, w, _gathered_vector(self.bias, self.grid))
 
@@ -275,12 +279,32 @@ def layer_factories(grid: Grid2D) -> dict:
     }
 
 
+def share_input_gather(model: nn.Module, plan: dict, grid: Grid2D) -> None:
+    """[Note: one input gather for q, k and v]
+    q, k and v are three linears of the same input; each would all-gather it over ``row``. For
+    each ``HEADS`` module with ``COL`` ``Linear2D`` children, one pre-hook gathers the module's input once
+    and the children skip theirs. The module's input must feed only those projections (true of
+    the GPT attention); only the hidden dimension changes, so ``B, T = x.shape[:2]`` still holds."""
+    styles = {name: style for name, _, style in resolve_plan(model, plan)}
+    for name, module in model.named_modules():
+        children = [
+            m for c, m in module.named_children() if isinstance(m, Linear2D) and styles.get(f"{name}.{c}") == Style.COL
+        ]
+        if styles.get(name) != Style.HEADS or not children:
+            continue
+        for m in children:
+            m.input_gathered = True
+        module.register_forward_pre_hook(lambda mod, args: (all_gather_along_dim(args[0], -1, grid.row), *args[1:]))
+
+
 def apply_2d(model: nn.Module, layout: Layout2D | Mesh, plan: dict | None = None, axis: str = "tp") -> nn.Module:
     """Convert ``model`` in place (default plan :func:`gpt_plan`); ``layout`` is a
     ``Mesh.layout("2d")`` or a ``Mesh`` whose ``axis`` is checked (``q^2``) and laid out."""
     if isinstance(layout, Mesh):
         grid_side(layout.size(axis), 2, "2d")
         layout = layout.layout("2d", axis)
-    grid = Grid2D.of(layout)
+    grid, plan = Grid2D.of(layout), plan or gpt_plan("2d")
     with torch.profiler.record_function("colossal.tensor_parallel::apply_2d"):
-        return convert_model(model, plan or gpt_plan("2d"), layer_factories(grid), grid.q, "2d")
+        convert_model(model, plan, layer_factories(grid), grid.q, "2d")
+        share_input_gather(model, plan, grid)
+        return model

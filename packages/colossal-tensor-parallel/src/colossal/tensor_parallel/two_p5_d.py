@@ -84,6 +84,8 @@ def apply_2p5d(
     model: nn.Module, layout: Layout2p5D | Mesh, plan: dict | None = None, axis: str = "tp", depth: int = 1
 ) -> nn.Module:
     """Convert ``model`` in place (default plan :func:`gpt_plan`) on a 2.5D grid."""
-    grid = grid_2p5d(layout, axis, depth)
+    grid, plan = grid_2p5d(layout, axis, depth), plan or gpt_plan("2.5d")
     with torch.profiler.record_function("colossal.tensor_parallel::apply_2p5d"):
-        return convert_model(model, plan or gpt_plan("2.5d"), two_d.layer_factories(grid), grid.q, "2.5d")
+        convert_model(model, plan, two_d.layer_factories(grid), grid.q, "2.5d")
+        two_d.share_input_gather(model, plan, grid)
+        return model
