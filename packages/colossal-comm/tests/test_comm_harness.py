@@ -80,3 +80,12 @@ def test_decorator_forwards_parameters(value):
     t = torch.tensor([float(value)])
     cc.all_reduce(t)
     assert t.item() == 2 * value
+
+
+def test_preload_after_the_forkserver_started_is_refused():
+    from colossal.comm.testing import preload
+
+    run_distributed(rank_and_size, 1, 0)
+    preload("torch")  # already preloaded: fine
+    with pytest.raises(RuntimeError, match=r"preload \['json'\] before the first run"):
+        preload("json")

@@ -32,9 +32,25 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_distributed", "distributed_test", "RankFailure", "RankTimeout", "RemoteTraceback"]
+__all__ = ["run_distributed", "distributed_test", "preload", "RankFailure", "RankTimeout", "RemoteTraceback"]
 
-_PRELOAD = ["torch", "torch.distributed", "colossal.comm"]
+# Imported once by the forkserver so that ranks start without importing them. Building any torch
+# optimizer imports torch._dynamo, which alone takes seconds per process on a busy machine.
+_PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "colossal.comm"]
+
+
+def preload(*modules: str) -> None:
+    """Have the rank forkserver import ``modules`` once, before it forks any rank.
+
+    Call before the first :func:`run_distributed` of the process (e.g. at test-module import);
+    later calls cannot change an already running forkserver and raise ``RuntimeError``.
+    """
+    if _context.cache_info().currsize:
+        missing = [m for m in modules if m not in _PRELOAD]
+        if missing:
+            raise RuntimeError(f"the rank forkserver is already running; preload {missing} before the first run")
+        return
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 class RemoteTraceback(Exception):
