@@ -170,7 +170,7 @@ def _sharded_dict(optim, ddp) -> dict:
     fakes = {}
     if optim is not None:
         for cid, slices in optim.slices.items():
-            for fake, lo, hi, _ in slices:
+            for fake, lo, _, _ in slices:
                 fakes[(cid, lo)] = fake
     for chunk, info, start, (lo, hi) in _my_slices(m):
         sd[f"model/{info.name}@{start}"] = chunk.master[lo:hi].detach().cpu().clone()

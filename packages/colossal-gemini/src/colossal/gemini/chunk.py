@@ -127,7 +127,11 @@ class Chunk:
     def bind(self) -> None:
         """Point every parameter's ``.data`` at its slot in ``payload``."""
         for info in self.tensors:
-            info.param.data = self.payload[info.offset : info.offset + info.numel].view(info.param.shape)
+            view = self.payload[info.offset : info.offset + info.numel].view(info.param.shape)
+            if info.param.is_meta:  # meta -> real cannot go through set_data: swap, keeping the object
+                real = torch.nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device))
+                torch.utils.swap_tensors(info.param, real)
+            info.param.data = view  # set_data: the parameter keeps its own version counter
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Element range ``[start, end)`` of ``rank``'s shard in the chunk."""

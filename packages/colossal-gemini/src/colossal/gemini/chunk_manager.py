@@ -67,7 +67,6 @@ class ChunkManager:
         device: DeviceTier,
         host: HostTier,
         group: ProcessGroup | None,
-        init_fn: Callable[[str, torch.Tensor], None] | None = None,
     ):
         self.device, self.host = device, host
         self.group = group
@@ -86,8 +85,12 @@ class ChunkManager:
             for i in idx:
                 name, p = params[i]
                 self.chunk_of[p] = (chunk, chunk.append(p, name))
-            self._materialise(chunk, init_fn)
             self.chunks.append(chunk)
+
+    def materialise(self, init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """Fill every chunk, one at a time, and leave its shards on the host tier (lazy-init safe)."""
+        for chunk in self.chunks:
+            self._materialise(chunk, init_fn)
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``."""

@@ -113,10 +113,10 @@ class GeminiDDP(nn.Module):
             device=DeviceTier(dev, self.config.device_memory_budget),
             host=HostTier(pin=dev.type == "cuda"),
             group=group if dist.is_initialized() else None,
-            init_fn=self.config.param_init_fn,
         )
         self._module_chunks = self._collect_module_chunks(module)
         self._check_setup()
+        self.manager.materialise(self.config.param_init_fn)
         self.trace = Trace()
         self.tracker = NonModelTracker(self._is_model_storage)
         self._model_keys = {c.payload.untyped_storage()._cdata for c in self.manager.chunks}
@@ -183,6 +183,8 @@ class GeminiDDP(nn.Module):
         return self.module(*args, **kwargs)
 
     _tracking = False
+    _record_open = False
+    _op_model = 0
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         name, chunks, pairs = self._module_chunks[module]
@@ -221,6 +223,7 @@ class GeminiDDP(nn.Module):
             if self.warmup and training:
                 self._close_record()
                 self.trace.ops.append(OpRecord(label=label, chunk_ids=tuple(c.id for c in chunks)))
+                self._record_open = True
             self.policy.after_op(self._current, {c.id for c in chunks})
             self.policy.before_op(i, chunks)
             self._current = chunks
@@ -229,17 +232,28 @@ class GeminiDDP(nn.Module):
             self._sample(label, i)
 
     def _close_record(self) -> None:
-        if self.trace.ops and self._tracking:
+        if self._record_open and self._tracking:
+            self._record_open = False
             op = self.trace.ops[-1]
             op.non_model_bytes = max(op.non_model_bytes, self.tracker.peak_bytes)
             op.pinned_bytes = max(op.pinned_bytes, self._pinned)
+            need = self._op_model + op.non_model_bytes
+            self._peak = [self._peak[0], max(self._peak[1], op.non_model_bytes), max(self._peak[2], need)]
+            if need > self.manager.device.budget:
+                raise BudgetExceededError(
+                    f"need {need} bytes on the device at operator {op.label} (model {self._op_model}, non-model "
+                    f"{op.non_model_bytes} measured in warm-up), budget {self.manager.device.budget}; raise "
+                    f"device_memory_budget, lower chunk_size (now {self.manager.chunk_size}) or the batch size"
+                )
             if self.manager.device.device.type == "cuda":
                 op.cuda_non_model_bytes = torch.cuda.memory_allocated() - self.manager.device.used_bytes
             self.tracker.reset_peak()
             self._pinned = self._grad_buffer_bytes()
+            self._op_model = 0
 
     def _sample(self, label: str, i: int) -> None:
         model = self.manager.device.used_bytes
+        self._op_model = max(self._op_model, model)
         non_model = self.tracker.current() if self.warmup else self._reserve(i)
         self._peak = [max(self._peak[0], model), max(self._peak[1], non_model), max(self._peak[2], model + non_model)]
         if events.has_observers():
@@ -309,6 +323,8 @@ class GeminiDDP(nn.Module):
                     self.manager.reduce(c)
                     self.manager.finish_reduce(c)
             self.policy.after_op(self._current, set())
+            if self.warmup:
+                self._close_record()
             self._current = []
             self._bwd_module = None
             self._in_backward = False

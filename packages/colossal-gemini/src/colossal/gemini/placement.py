@@ -129,9 +129,16 @@ class PlacementPolicy:
 
 
 class WarmupPolicy(PlacementPolicy):
-    """On-demand fetching, least-recently-used eviction (no trace yet)."""
+    """No trace yet: fetch on demand and evict after use, so the device holds the least model data while
+    the tracer measures non-model data (LRU eviction if even that needs room)."""
 
     name = "warmup"
+
+    def after_op(self, used: Sequence[Chunk], coming: set[int]) -> None:
+        super().after_op(used, coming)
+        for c in used:
+            if c.id not in coming and not c.in_use:
+                self.m.evict(c)
 
     def victim(self, protect: set[int], i: int) -> Chunk | None:
         cands = self._evictable(protect)
