@@ -45,7 +45,8 @@ def _run(fn, world, *args):
 
 
 MATRIX = [
-    (("ddp", 2), ("zero2", 1)),
+    (("ddp", 2), ("hybrid", 2)),
+    (("hybrid", 2), ("zero2", 1)),
     (("zero3", 2), ("fsdp", 1)),
     (("fsdp", 2), ("gemini", 2)),
     (("gemini", 2), ("zero1", 1)),

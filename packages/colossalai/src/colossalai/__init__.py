@@ -1,7 +1,7 @@
 """Colossal meta-package: Booster and plugins, CLI, checkpoints, models.
 
 ```python
-from colossalai import Booster, TorchDDPPlugin, TorchFSDPPlugin
+from colossalai import Booster, ZeroPlugin
 from colossalai.models import build_gpt
 ```
 """
@@ -11,6 +11,7 @@ from colossalai.booster import (
     BoostedOptimizer,
     Booster,
     GeminiPlugin,
+    HybridParallelPlugin,
     Plugin,
     Precision,
     RunState,
@@ -27,6 +28,7 @@ __all__ = [
     "TorchFSDPPlugin",
     "ZeroPlugin",
     "GeminiPlugin",
+    "HybridParallelPlugin",
     "Precision",
     "BoostedModel",
     "BoostedOptimizer",

@@ -34,6 +34,7 @@ def _plugin(args: argparse.Namespace):
     own = {
         "gemini": dict(placement=args.placement, device_memory_budget=budget),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
+        "hybrid": dict(tp_size=args.tp_size),
     }
     foreign = {"--device-budget": budget is not None, "--offload": args.offload, "--zero-stage": args.zero_stage != 2}
     owner = {"--device-budget": "gemini", "--offload": "zero", "--zero-stage": "zero"}

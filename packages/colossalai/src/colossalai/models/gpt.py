@@ -67,6 +67,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         c = config.n_embd
+        self.n_head = config.n_head  # heads of this module (a tensor-parallel conversion may lower it)
         self.head_dim = c // config.n_head
         self.q_proj = nn.Linear(c, c, bias=config.bias)
         self.k_proj = nn.Linear(c, c, bias=config.bias)
