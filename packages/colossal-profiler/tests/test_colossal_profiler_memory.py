@@ -49,7 +49,7 @@ def test_samples_across_the_step_see_grads_and_states_appear():
         opt.step()
     points = {p.label: p for p in prof.steps[0].memory}
     n = 4 * ((8 * 16 + 16) + (16 * 4 + 4))
-    assert points["forward:start"].model_bytes == n
+    assert points["step:start"].model_bytes == points["forward:end"].model_bytes == n
     assert points["backward:end"].model_bytes == 2 * n
     assert points["optimizer:end"].model_bytes == 4 * n + 4 * 4
     assert all(p.tier == "cpu" and p.non_model_bytes > 0 for p in points.values())

@@ -85,5 +85,6 @@ def trace_events(steps: list[StepRecord], rank: int, origin: float) -> list[dict
 def write_trace(path: str, steps: list[StepRecord], rank: int, origin: float) -> None:
     """Write the trace of ``steps`` as gzipped Chrome JSON to ``path``."""
     doc = {"traceEvents": trace_events(steps, rank, origin), "displayTimeUnit": "ms"}
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        json.dump(doc, f)
+    data = json.dumps(doc, separators=(",", ":")).encode()  # one string: json.dump streams tiny writes
+    with gzip.open(path, "wb", compresslevel=4) as f:
+        f.write(data)

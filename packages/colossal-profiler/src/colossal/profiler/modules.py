@@ -72,8 +72,6 @@ class ModuleRecorder:
 
     def _pre(self, name: str) -> Callable[[torch.nn.Module, Any], None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._boundary is not None:
-                self._boundary(f"{name}:start")
             self._stack.append((self._spans.open(name, TRACK), self._flops()))
 
         return hook

@@ -37,6 +37,7 @@ class Outputs:
         self._config, self._rank = config, rank
         self._dir = config.out_dir
         self._tb: EventWriter | None = None
+        self._jsonl: Any = None  # the summary file, opened once and flushed per step
         if self._dir is not None:
             os.makedirs(self._dir, exist_ok=True)
 
@@ -45,8 +46,10 @@ class Outputs:
         if self._dir is None:
             return
         if self._config.summary:
-            with open(summary_path(self._dir, self._rank), "a", encoding="utf-8") as f:
-                f.write(json.dumps(summary) + "\n")
+            if self._jsonl is None:
+                self._jsonl = open(summary_path(self._dir, self._rank), "a", encoding="utf-8")  # noqa: SIM115
+            self._jsonl.write(json.dumps(summary) + "\n")
+            self._jsonl.flush()
         if self._config.tensorboard:
             scalars = {f"profiler/{k}": summary[k] for k in FIGURE_UNITS if summary.get(k) is not None}
             for op, totals in summary["comm_by_op"].items():
@@ -73,7 +76,10 @@ class Outputs:
         return self._tb
 
     def close(self) -> None:
-        """Close the TensorBoard file."""
+        """Close the summary and TensorBoard files."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -79,7 +79,7 @@ def step_summary(rec: StepRecord, figures: StepFigures, rank: int, world_size: i
     return {
         "rank": rank,
         "world_size": world_size,
-        **dataclasses.asdict(figures),
+        **{f.name: getattr(figures, f.name) for f in dataclasses.fields(figures)},  # shallow: all plain numbers
         "phases": dict(phases),
         "modules": modules,
         "peak_memory_by_tier": peak,
