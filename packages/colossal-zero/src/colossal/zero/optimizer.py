@@ -27,6 +27,7 @@ from colossal.zero._flat_param import FlatParam
 from colossal.zero._reducer import GradReducer
 from colossal.zero._validate import validate
 from colossal.zero.config import ZeroConfig
+from colossal.zero.offload import master_grad, place_master
 from colossal.zero.stage3 import Stage3Engine, Unit, assign_params, find_units
 from colossal.zero.stage12 import build_buckets, gather_updated_params
 
@@ -88,6 +89,7 @@ class ZeroOptimizer:
         """Message bytes per collective (nccl-tests convention) issued by this engine in the last step."""
         self._comm_now: dict[str, int] = defaultdict(int)
         self._observer = register_observer(_CommTap(self))
+        weakref.finalize(self, self._observer.remove)
         model._colossal_zero = weakref.ref(self)
 
     # -- construction ---------------------------------------------------------------------------
@@ -126,15 +128,8 @@ class ZeroOptimizer:
             flat.shard = own.clone()
             flat.to_sharded()
             own = flat.shard
-        if flat.group_index is None:
-            return
-        flat.master_aliased = cfg.param_dtype == torch.float32 and not cfg.offload
-        if flat.master_aliased:
-            flat.master = own
-        else:
-            flat.master = flat.local(full32).clone().to("cpu" if cfg.offload else self.device)
-            if cfg.offload and torch.cuda.is_available():
-                flat.master = flat.master.pin_memory()
+        if flat.group_index is not None:
+            place_master(flat, own, flat.local(full32), cfg.offload)
 
     def _make_scaler(self):
         cfg = self.config
@@ -189,12 +184,8 @@ class ZeroOptimizer:
             return True
 
     def _master_grads(self) -> list[torch.Tensor]:
-        grads = []
-        for flat in self.reducer.flats:
-            g = self.reducer.sharded_grad(flat)  # (shard_numel,) summed over ranks
-            flat.master.grad = g if flat.master_aliased else g.to(device=flat.master.device, dtype=torch.float32)
-            grads.append(flat.master.grad)
-        return grads
+        """fp32 ``.grad`` of every master: the reduced shard sums (moved to the CPU when offloading)."""
+        return [master_grad(f, self.reducer.sharded_grad(f), i) for i, f in enumerate(self.reducer.flats)]
 
     def _publish_params(self) -> None:
         masters = [f for f in self.flats if f.master is not None]
