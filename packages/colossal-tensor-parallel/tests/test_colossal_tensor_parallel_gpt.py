@@ -12,7 +12,9 @@ from tp_testing import assert_close, param_bytes
 from colossal.comm import Mesh, all_reduce
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import (
+    DropoutMode,
     Grid2D,
+    ParallelDropout,
     RNGTracker,
     apply_1d,
     apply_2d,
@@ -132,6 +134,10 @@ def _gpt_2d():
     _check_training(
         "2d", lambda m: apply_2d(m, mesh, gpt_plan("2d")), lambda lg, t: cross_entropy_2d(lg, t, grid), divisor=4
     )
+    # dropouts of a split mode draw per-rank masks
+    model = parallelize(GPT(GPTConfig(**CFG, dropout=0.1)), "2d", mesh, rng=RNGTracker(7, dist.get_rank()))
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(isinstance(m, ParallelDropout) and m.mode == DropoutMode.SPLIT for m in drops)
 
 
 def test_gpt_2d_training_matches_dense():
