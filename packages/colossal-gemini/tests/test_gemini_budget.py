@@ -1,4 +1,4 @@
-"""Budget: below the model-state size the accounted device peak stays within budget; impossible budgets fail up front."""
+"""Budget: below the model-state size the accounted device peak stays within budget; bad budgets fail up front."""
 
 import pathlib
 import sys

@@ -332,12 +332,16 @@ class GeminiDDP(nn.Module):
     # -- iteration end (called by GeminiOptimizer.step) -------------------------------------------------
     def end_iteration(self, optimizer_blocks: Callable | None = None) -> GeminiStats:
         """Close the step: finish warm-up if needed, record and publish its statistics."""
-        if self.warmup and optimizer_blocks is not None:
+        if self.warmup:
             self._close_record()
             if self._tracking:
                 self.tracker.__exit__(None, None, None)
                 self._tracking = False
-            finish_warmup(self, optimizer_blocks)
+            if optimizer_blocks is not None:
+                finish_warmup(self, optimizer_blocks)
+            else:  # skipped step (overflow): trace the next iteration afresh
+                self.trace = Trace()
+                self.tracker = NonModelTracker(self._is_model_storage)
         m = self.manager
         stats = GeminiStats(
             step=len(self.stats_history),

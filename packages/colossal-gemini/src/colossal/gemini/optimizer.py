@@ -45,6 +45,11 @@ class GeminiOptimizer:
             raise TypeError(f"model must be a GeminiDDP, got {type(model).__name__}")
         if optim.state:
             raise ValueError("optim must not have stepped yet (its state is not empty)")
+        if getattr(optim, "flatten", False):
+            raise ValueError(
+                f"{type(optim).__name__}(flatten=True) would move the parameters into its own flat buffers; "
+                f"Gemini already keeps them in flat fp32 chunks: construct it with flatten=False"
+            )
         if max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
         self.optim, self.model = optim, model
