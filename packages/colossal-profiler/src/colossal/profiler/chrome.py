@@ -14,7 +14,7 @@ import gzip
 import json
 from typing import Any
 
-from colossal.profiler.records import StepRecord
+from colossal.profiler.records import CommRecord, StepRecord
 
 __all__ = ["trace_events", "write_trace", "TRACKS"]
 
@@ -34,6 +34,19 @@ def _meta(rank: int) -> list[dict[str, Any]]:
     return events
 
 
+def _comm_args(c: CommRecord) -> dict[str, Any]:
+    return {
+        "group_size": c.group_size,
+        "bytes": c.nbytes,
+        "dtype": c.dtype,
+        "algbw_GBps": c.algbw / 1e9,
+        "busbw_GBps": c.busbw / 1e9,
+        "caller": c.caller,
+        "tag": c.tag,
+        "wait_us": c.wait * 1e6,
+    }
+
+
 def _step_events(rec: StepRecord, rank: int, origin: float, next_id: list[int]) -> list[dict[str, Any]]:
     def complete(name: str, tid: int, start: float, end: float, args: dict) -> dict[str, Any]:
         ts = _us(start, origin)
@@ -50,20 +63,10 @@ def _step_events(rec: StepRecord, rank: int, origin: float, next_id: list[int]) 
     out = [complete(f"step {rec.step}", TRACKS["steps"], rec.start, rec.end, {"step": rec.step})]
     out += [complete(s.name, TRACKS[s.track], s.start, s.end, s.args) for s in rec.spans]
     for c in rec.comm:
-        args = {
-            "group_size": c.group_size,
-            "bytes": c.nbytes,
-            "dtype": c.dtype,
-            "algbw_GBps": c.algbw / 1e9,
-            "busbw_GBps": c.busbw / 1e9,
-            "caller": c.caller,
-            "tag": c.tag,
-            "wait_us": c.wait * 1e6,
-        }
         if c.async_op:
-            out += async_pair(c.op, "comm_async", c.start, c.end, args)
+            out += async_pair(c.op, "comm_async", c.start, c.end, _comm_args(c))
         else:
-            out.append(complete(c.op, TRACKS["comm"], c.start, c.end, args))
+            out.append(complete(c.op, TRACKS["comm"], c.start, c.end, _comm_args(c)))
     for m in rec.moves:
         args = {"chunk": m.chunk_id, "bytes": m.nbytes, "src": m.src, "dst": m.dst, "reason": m.reason}
         out += async_pair(f"chunk {m.src}->{m.dst}", "chunk_move", m.start, m.end, args)

@@ -10,6 +10,7 @@ TensorBoard reads the files as usual (the tests read them back with its ``EventA
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import struct
@@ -33,9 +34,9 @@ _TABLE = _crc_table()
 
 def crc32c(data: bytes) -> int:
     """CRC-32C (Castagnoli) of ``data``."""
-    crc = 0xFFFFFFFF
+    crc, table = 0xFFFFFFFF, _TABLE
     for byte in data:
-        crc = _TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
 
 
@@ -71,9 +72,16 @@ def _event(step: int, summary: bytes = b"", file_version: str = "") -> bytes:
     return msg
 
 
+@functools.lru_cache(maxsize=1024)
+def _scalar_head(tag: str) -> bytes:
+    # Summary.value (field 1) holding a Summary.Value: tag = 1, simple_value = 2 (fixed 4-byte float);
+    # its length does not depend on the value, so everything before the float is cached per tag.
+    tag_field = _bytes(1, tag.encode())
+    return _field(1, 2, _varint(len(tag_field) + 5)) + tag_field + _varint(2 << 3 | 5)
+
+
 def _scalar_value(tag: str, value: float) -> bytes:
-    # Summary.Value: tag = 1, simple_value = 2 (float)
-    return _bytes(1, _bytes(1, tag.encode()) + _field(2, 5, struct.pack("<f", value)))
+    return _scalar_head(tag) + struct.pack("<f", value)
 
 
 def _text_value(tag: str, text: str) -> bytes:
