@@ -69,3 +69,10 @@ def test_import_does_not_import_siblings():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_trailing_empty_step_is_dropped(setup):
+    model, opt = setup
+    with Profiler(model, opt, schedule=Schedule(active=1, repeat=0)) as prof:
+        list(_train(model, opt, prof, 3))
+    assert [r.step for r in prof.steps] == [0, 1, 2]  # step 3 only saw the exit: not kept

@@ -134,5 +134,5 @@ class StepRecord:
 
     @property
     def empty(self) -> bool:
-        """Nothing was recorded."""
-        return not (self.spans or self.comm or self.memory or self.moves)
+        """Nothing happened but the profiler's own step-boundary memory samples."""
+        return not (self.spans or self.comm or self.moves or any(m.source != "sampler" for m in self.memory))
