@@ -98,6 +98,18 @@ def test_flat_fast_path_with_real_backward():
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
+def test_params_moved_out_of_flat_buffer_are_refound():
+    p = torch.nn.Parameter(torch.ones(4))
+    ref = torch.nn.Parameter(torch.ones(4))
+    opt, ref_opt = CPUAdam([p], lr=0.1, weight_decay=0.01), torch.optim.AdamW([ref], lr=0.1, weight_decay=0.01)
+    for step in range(3):
+        if step == 1:
+            p.data = p.data.clone()  # what model.to(...) or a checkpoint loader may do
+        p.grad, ref.grad = torch.full((4,), 0.5), torch.full((4,), 0.5)
+        opt.step(), ref_opt.step()
+    torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("flatten", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights(flatten, dtype):

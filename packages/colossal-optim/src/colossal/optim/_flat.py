@@ -75,6 +75,13 @@ class FlatSpace:
             st[key] = view
         st.setdefault("step", torch.zeros((), dtype=torch.float32))
 
+    def intact(self) -> bool:
+        """Whether every parameter still lives in ``param_flat`` (``p.data = ...`` or ``.to()`` moves it out)."""
+        return all(
+            p.data_ptr() == self.param_flat[sl].data_ptr() and p.dtype == self.param_flat.dtype
+            for p, sl in zip(self.params, self._slices)
+        )
+
     def gather_grads(self) -> None:
         """Make every ``p.grad`` a view of ``grad_flat`` (copying foreign ones in); fill ``grad_master``."""
         for p, sl in zip(self.params, self._slices):

@@ -153,8 +153,8 @@ class CPUAdam(Optimizer):
                     check_grad(p, type(self).__name__)
             done: set[int] = set()
             if self.flatten:
-                if index not in self._spaces:
-                    self._spaces[index] = self._build_spaces(group)
+                if index not in self._spaces or not all(sp.intact() for sp in self._spaces[index]):
+                    self._spaces[index] = self._build_spaces(group)  # first step, or params were moved
                 with torch.profiler.record_function("colossal.optim::adam_flat"):
                     for space in self._spaces[index]:
                         if self._step_space(group, space):
