@@ -11,6 +11,7 @@ from fastfold.model.outer_product_mean import OuterProductMean
 from fastfold.model.pair_stack import EVOFORMER_PAIR_ORDER, PairStack, residual_update
 from fastfold.model.transition import MSATransition
 from fastfold.model.trunk import run_trunk
+from fastfold.parallel.dap import pad_axis
 
 __all__ = ["EvoformerBlock", "EvoformerStack"]
 
@@ -87,12 +88,6 @@ class EvoformerStack(nn.Module):
         if dap is None:
             return m, z, self.linear(first)
         n_res = first.shape[-2]
-        first = _pad_rows(first, dap.padded(n_res))
+        first = pad_axis(first, -2, dap.padded(n_res))
         s = dap.gather_output(self.linear(dap.scatter(first, -2)), -2)  # partitioned, see [Note: DAP layouts]
         return m, z, s[..., :n_res, :]
-
-
-def _pad_rows(x: torch.Tensor, size: int) -> torch.Tensor:
-    from fastfold.parallel import pad_axis
-
-    return pad_axis(x, -2, size)
