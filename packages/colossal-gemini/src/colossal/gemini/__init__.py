@@ -9,7 +9,8 @@ Wrap the model (:class:`GeminiDDP`) and the optimizer (:class:`GeminiOptimizer`)
 
 from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
 from colossal.gemini.chunk_manager import ChunkManager, pack, search_chunk_size
-from colossal.gemini.ddp import GeminiConfig, GeminiDDP
+from colossal.gemini.config import GeminiConfig
+from colossal.gemini.ddp import GeminiDDP
 from colossal.gemini.events import ChunkMoveEvent, MemorySample, ObserverHandle, register_observer
 from colossal.gemini.optimizer import GeminiOptimizer
 from colossal.gemini.placement import AutoPolicy, BeladyResult, PlacementPolicy, StaticPolicy, WarmupPolicy, belady

@@ -19,7 +19,6 @@ the module owning them (as for FSDP).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from functools import partial
@@ -32,55 +31,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from colossal.gemini import checkpoint, events
 from colossal.gemini.chunk import Chunk, TensorState
 from colossal.gemini.chunk_manager import ChunkManager
+from colossal.gemini.config import GeminiConfig
 from colossal.gemini.placement import WarmupPolicy
 from colossal.gemini.stats import GeminiStats
 from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier
 from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
 from colossal.gemini.warmup import finish_warmup
 
-__all__ = ["GeminiConfig", "GeminiDDP"]
-
-_PLACEMENTS = ("auto", "static")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class GeminiConfig:
-    """Settings of :class:`GeminiDDP`."""
-
-    placement: str = "auto"
-    """``"auto"`` (Belady on the traced sequence) or ``"static"`` (fixed offload fractions)."""
-    device_memory_budget: int | None = None
-    """Bytes the device tier may hold; default the real capacity on CUDA (required on CPU)."""
-    mixed_precision: torch.dtype | None = None
-    """Working precision ``torch.bfloat16`` / ``torch.float16``; ``None`` keeps fp32."""
-    chunk_size: int | None = None
-    """Elements per chunk; ``None`` searches the size that minimises padding."""
-    offload_param_frac: float = 0.0
-    """Static policy: fraction of working chunks homed on the host (fetched for each use)."""
-    offload_optim_frac: float = 1.0
-    """Static policy: fraction of optimizer blocks (fp32 master, gradient, states) on the host."""
-    process_group: dist.ProcessGroup | None = None
-    """Data-parallel group the chunks are sharded over (``None``: the world when initialised)."""
-    param_init_fn: Callable[[str, torch.Tensor], None] | None = None
-    """Fills a meta-device parameter (by name) in place, chunk by chunk (lazy construction)."""
-    device: torch.device | str | None = None
-    """Compute device; default ``cuda:<current>`` when CUDA is present, else ``cpu``."""
-
-    def __post_init__(self):
-        if self.placement not in _PLACEMENTS:
-            raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
-        if self.mixed_precision not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {self.mixed_precision}"
-            )
-        for name in ("offload_param_frac", "offload_optim_frac"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {v}")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive int of elements, got {self.chunk_size!r}")
-        if self.device is None:
-            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+__all__ = ["GeminiDDP"]
 
 
 class GeminiDDP(nn.Module):

@@ -1,0 +1,260 @@
+"""Gemini against plain PyTorch and colossal-zero stage 3 + CPU offload, under one device budget.
+
+One process per configuration (a fresh interpreter each, so nothing leaks between them):
+
+1. largest GPT (by parameters) trainable under ``--budget-mib`` with (a) plain PyTorch + AdamW,
+   (b) colossal-zero stage 3 + static CPU offload, (c) Gemini static, (d) Gemini auto;
+2. at the largest size Gemini auto trains: step time and bytes moved per step for (b)-(d) and
+   the Belady optimum on the same trace and budget;
+3. with a budget that holds everything: Gemini auto step time over plain PyTorch (hook overhead).
+
+On a CPU-only machine the "device" is the CPU with an accounted budget. (a) and (b) keep no
+accounting of their own: their device need is computed with the same rule Gemini accounts by
+(model data on the device + peak non-model data measured by ``NonModelTracker`` in the same
+process): (a) fp32 params + grads + Adam moments; (b) fp32 working params (1 rank keeps all of
+them; gradients and optimizer states are offloaded). (c)/(d) are Gemini's own accounting, enforced.
+
+    python packages/colossal-gemini/bench/bench_gemini.py --budget-mib 16 --widths 128 256 384 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from bench_gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+
+
+def _cfg(width: int, layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=256, block_size=64, n_embd=width, n_layer=layers, n_head=4)
+
+
+def _batches(n: int, batch: int, seq: int):
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 256, (batch, seq), generator=g), torch.randint(0, 256, (batch, seq), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _non_model_peak(model, batch) -> int:
+    from colossal.gemini import NonModelTracker
+
+    keys = {p.untyped_storage()._cdata for p in model.parameters()}
+    x, y = batch
+    with NonModelTracker(lambda k: k in keys) as tracker:
+        loss_fn(model(x), y).backward()
+        peak = tracker.peak_bytes
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def _timed(step, batches) -> float:
+    step(*batches[0])  # warm-up (Gemini traces here)
+    start = time.perf_counter()
+    for x, y in batches[1:]:
+        step(x, y)
+    return (time.perf_counter() - start) / (len(batches) - 1)
+
+
+def run_plain(args) -> dict:
+    torch.manual_seed(0)
+    model = GPT(_cfg(args.width, args.layers))
+    n = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    batches = _batches(args.steps, args.batch, args.seq)
+    need = 16 * n + _non_model_peak(model, batches[0])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return {"params": n, "device_need": need, "fits": need <= args.budget, "step_s": _timed(step, batches)}
+
+
+def run_zero(args) -> dict:
+    import torch.distributed as dist
+
+    try:
+        import colossal.zero as zero
+    except ImportError:
+        return {"fits": None, "note": "n/a (colossal-zero not installed)"}
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = GPT(_cfg(args.width, args.layers))
+    n = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    batches = _batches(args.steps, args.batch, args.seq)
+    need = 4 * n + _non_model_peak(model, batches[0])
+    opt = zero.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model, stage=3, offload=True)
+    moved = []
+    handle = zero.register_observer(lambda e: moved.append(e.nbytes) if e.kind == "chunk_move" else None)
+
+    def step(x, y):
+        opt.backward(loss_fn(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+    t = _timed(step, batches)
+    handle.remove()
+    return {
+        "params": n,
+        "device_need": need,
+        "fits": need <= args.budget,
+        "step_s": t,
+        "bytes_per_step": sum(moved) // args.steps,
+    }
+
+
+def run_gemini(args) -> dict:
+    from colossal.gemini import BudgetExceededError, GeminiDDP, GeminiOptimizer
+
+    torch.manual_seed(0)
+    model = GPT(_cfg(args.width, args.layers))
+    n = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    batches = _batches(args.steps, args.batch, args.seq)
+    extra = {"offload_param_frac": 1.0, "offload_optim_frac": 1.0} if args.placement == "static" else {}
+    try:
+        gem = GeminiDDP(model, placement=args.placement, device_memory_budget=args.budget, **extra)
+        opt = GeminiOptimizer(torch.optim.AdamW(gem.parameters(), lr=1e-3), gem)
+
+        def step(x, y):
+            opt.backward(loss_fn(gem(x), y))
+            opt.step()
+
+        t = _timed(step, batches)
+    except BudgetExceededError as exc:
+        return {"params": n, "fits": False, "note": str(exc)[:160]}
+    s = gem.stats
+    return {
+        "params": n,
+        "fits": s.peak_device_bytes <= args.budget,
+        "step_s": t,
+        "bytes_per_step": s.bytes_moved,
+        "belady_bytes": s.belady_bytes,
+        "peak_device": s.peak_device_bytes,
+        "model_states": 20 * n,
+        "chunk_size": gem.manager.chunk_size,
+        "chunks": len(gem.manager.chunks),
+    }
+
+
+def _worker(args) -> None:
+    torch.set_num_threads(args.threads)
+    fn = {"plain": run_plain, "zero": run_zero, "static": run_gemini, "auto": run_gemini}[args.placement]
+    print("RESULT " + json.dumps(fn(args)))
+
+
+def _spawn(kind: str, width: int, budget: int, args) -> dict:
+    store = pathlib.Path(os.environ.get("TMPDIR", "/tmp"), f"gemini-bench-{os.getpid()}-{kind}-{width}")
+    store.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--placement",
+        kind,
+        "--width",
+        str(width),
+        "--budget",
+        str(budget),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--store",
+        str(store),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"fits": False, "note": (out.stderr.strip().splitlines() or ["no result"])[-1][:160]}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-mib", type=float, default=16.0)
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 384, 512])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--roomy-width", type=int, default=0, help="model width of the hook-overhead run")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--placement", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--store", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return _worker(args)
+    budget = int(args.budget_mib * 2**20)
+    kinds = {
+        "plain": "(a) PyTorch+AdamW",
+        "zero": "(b) ZeRO-3+offload",
+        "static": "(c) Gemini static",
+        "auto": "(d) Gemini auto",
+    }
+    results = {k: {w: _spawn(k, w, budget, args) for w in args.widths} for k in kinds}
+    _report(results, kinds, budget, args)
+
+
+def _report(results, kinds, budget, args) -> None:
+    print(f"\nbudget {budget / 2**20:.1f} MiB, GPT n_layer={args.layers}, batch {args.batch}x{args.seq}")
+    print(f"{'config':22s} {'largest params':>15s} {'model states/budget':>20s}")
+    largest = {}
+    for k, label in kinds.items():
+        ok = [(r["params"], w) for w, r in results[k].items() if r.get("fits")]
+        largest[k] = max(ok) if ok else (0, None)
+        ratio = 20 * largest[k][0] / budget  # params + grads + Adam states in fp32 (+ fp32 master for Gemini)
+        print(f"{label:22s} {largest[k][0]:>15,d} {ratio:>19.1f}x")
+    w = largest["auto"][1]
+    if w is not None:
+        print(f"\nat width {w} ({largest['auto'][0]:,d} params): step time and bytes moved per step")
+        for k in ("zero", "static", "auto"):
+            r = results[k][w]
+            if r.get("fits") or "bytes_per_step" in r:
+                t, mib = r.get("step_s", float("nan")), r.get("bytes_per_step", 0) / 2**20
+                print(f"{kinds[k]:22s} {t:8.3f} s  {mib:10.2f} MiB")
+            else:
+                print(f"{kinds[k]:22s} {'n/a':>8s}    ({r.get('note', 'does not fit')})")
+        r = results["auto"][w]
+        print(
+            f"{'Belady optimum':22s} {'':8s}    {r['belady_bytes'] / 2**20:10.2f} MiB  "
+            f"(auto/optimum = {r['bytes_per_step'] / max(r['belady_bytes'], 1):.2f})"
+        )
+    small = args.roomy_width or min(args.widths)
+    roomy = {k: _spawn(k, small, 2**34, args) for k in ("plain", "auto")}
+    ratio = roomy["auto"]["step_s"] / roomy["plain"]["step_s"]
+    print(f"\nbudget holding everything, width {small}: Gemini auto / PyTorch step time = {ratio:.2f}")
+    out = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_gemini.json").write_text(
+        json.dumps(
+            {"budget": budget, "args": vars(args), "results": results, "roomy": roomy, "overhead_ratio": ratio},
+            indent=1,
+            default=str,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
