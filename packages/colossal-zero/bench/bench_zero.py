@@ -29,7 +29,9 @@ from colossal_zero_gpt import GPT, Block, GPTConfig  # noqa: E402
 from colossal.comm import testing  # noqa: E402
 from colossal.comm.testing import run_distributed  # noqa: E402
 
-testing._PRELOAD.extend(["torch._dynamo", "torch.optim", "colossal.zero", "colossal.optim"])
+testing._PRELOAD.extend(
+    m for m in ("torch._dynamo", "torch.optim", "colossal.optim", "colossal.zero") if m not in testing._PRELOAD
+)
 
 VARIANTS = ["ddp", "torch_zero", "fsdp2", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload"]
 

@@ -1,6 +1,6 @@
 """State: the full state dict loads into a plain model/optimizer, and a sharded checkpoint saved
-through ``torch.distributed.checkpoint`` on 2 ranks resumes on 1 or 4 ranks (and another stage)
-with the same losses as the uninterrupted run (fp32, 1e-5 relative)."""
+through ``torch.distributed.checkpoint`` by stage 2 on 2 ranks resumes on 1 rank (stage 3) and on
+4 ranks (stage 1) with the same losses as the uninterrupted run (fp32, 1e-5 relative)."""
 
 import copy
 
@@ -79,25 +79,30 @@ def plain_run(start, stop, model_sd=None, opt_sd=None):
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("save_stage,load_stage", [(2, 3), (3, 1)])
-def test_sharded_checkpoint_reshards(tmp_path, save_stage, load_stage):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Stage 2 on 2 ranks for SAVE_AT steps, sharded checkpoint written; the reference run."""
+    path = str(tmp_path_factory.mktemp("zero") / "ckpt")
     ref_losses, ref_sd = plain_run(0, TOTAL)
-    path = str(tmp_path / "ckpt")
-    saved = run_distributed(save_run, 2, path, save_stage, timeout=120)
-    assert saved[0][0] == pytest.approx(ref_losses[:SAVE_AT], rel=1e-5)
-    for world in (1, 4):
-        for losses, sd in run_distributed(resume_run, world, path, load_stage, timeout=120):
-            assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5), world
-            assert max_rel_err(sd, ref_sd) < 1e-5
+    out = run_distributed(save_run, 2, path, 2, timeout=120)
+    return path, out[0], ref_losses, ref_sd
 
 
-def test_full_state_dict_loads_into_plain_torch_and_back(tmp_path):
-    ref_losses, ref_sd = plain_run(0, TOTAL)
-    _, model_sd, opt_sd = run_distributed(save_run, 2, str(tmp_path / "c"), 3, timeout=120)[0]
+@pytest.mark.parametrize("world,load_stage", [(1, 3), (4, 1)])
+def test_sharded_checkpoint_reshards(saved, world, load_stage):
+    path, (losses, _, _), ref_losses, ref_sd = saved
+    assert losses == pytest.approx(ref_losses[:SAVE_AT], rel=1e-5)
+    for losses, sd in run_distributed(resume_run, world, path, load_stage, timeout=120):
+        assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5), world
+        assert max_rel_err(sd, ref_sd) < 1e-5
+
+
+def test_full_state_dict_loads_into_plain_torch_and_back(saved):
+    _, (_, model_sd, opt_sd), ref_losses, ref_sd = saved
     # plain torch continues exactly (torch.optim adopts the state tensors: give it a copy)
     losses, sd = plain_run(SAVE_AT, TOTAL, model_sd, copy.deepcopy(opt_sd))
     assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5)
     assert max_rel_err(sd, ref_sd) < 1e-5
-    # and the full state dict loads back into ZeRO (stage 2 here) on 2 ranks
-    for losses in run_distributed(full_roundtrip, 2, model_sd, opt_sd, 2, timeout=120):
+    # and the full state dict loads back into ZeRO (stage 3 here) on 2 ranks
+    for losses in run_distributed(full_roundtrip, 2, model_sd, opt_sd, 3, timeout=120):
         assert losses == pytest.approx(ref_losses[SAVE_AT:], rel=1e-5)

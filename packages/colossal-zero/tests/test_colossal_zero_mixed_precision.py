@@ -57,7 +57,8 @@ def test_fault_fp32_stage1():
         assert r["scaler"] == ConstantLossScaler.__name__
 
 
-CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float16, torch.bfloat16)]
+CASES = [(stage, dtype, False) for stage in (1, 2, 3) for dtype in (torch.float16, torch.bfloat16)]
+CASES += [(2, torch.float16, True), (3, torch.bfloat16, True)]  # with CPU offload (fp32 masters on the CPU)
 # Parameter tolerance: the working copy rounds to 2^-11 (fp16) / 2^-8 (bf16) relative, and Adam
 # turns the resulting gradient noise into update noise of order lr on small-gradient elements
 # (lr=1e-2 here, parameters ~0.02-0.1 in norm: this is relative error of the *updates*).
@@ -65,13 +66,16 @@ TOL = {torch.float16: 5e-2, torch.bfloat16: 1.5e-1}
 
 
 def mixed_cases():
-    return [train_zero(STEPS, stage=stage, param_dtype=dtype) for stage, dtype in CASES]
+    return [
+        train_zero(STEPS, stage=stage, param_dtype=dtype, offload=offload, kind="hybrid" if offload else "adamw")
+        for stage, dtype, offload in CASES
+    ]
 
 
 def test_mixed_precision_tracks_fp32():
     """fp16/bf16 working weights with fp32 masters stay close to fp32 training."""
     ref, ref_losses = reference(STEPS, 2)
     for per_rank in run_distributed(mixed_cases, 2, timeout=180):
-        for (stage, dtype), (sd, losses) in zip(CASES, per_rank):
+        for (stage, dtype, _), (sd, losses) in zip(CASES, per_rank, strict=True):
             assert max_rel_err(sd, ref) < TOL[dtype], (stage, dtype, max_rel_err(sd, ref))
             assert losses == pytest.approx(ref_losses, rel=TOL[dtype] / 10), (stage, dtype)

@@ -37,7 +37,7 @@ def test_parity_stages_fp32(world):
         dict(steps=STEPS, stage=2, bucket_numel=3000),
         dict(steps=STEPS, stage=3),
         dict(steps=STEPS, stage=1, offload=True, accum=2, use_no_sync=True, max_grad_norm=0.05),
-        dict(steps=STEPS, stage=2, offload=True, accum=2, max_grad_norm=0.05),
+        dict(steps=STEPS, stage=2, offload=True, accum=2, max_grad_norm=0.05, kind="hybrid"),
         dict(steps=STEPS, stage=3, offload=True, accum=2, use_no_sync=True, max_grad_norm=0.05),
         dict(steps=STEPS, stage=3, accum=2, kind="sgd"),
         dict(steps=STEPS, stage=2, accum=3, use_no_sync=True, kind="sgd", max_grad_norm=0.05),
