@@ -36,7 +36,7 @@ def test_trace_file_parses_and_nests(tmp_path):
     events = _load(tmp_path / "trace.rank0.cycle0.json.gz")
     by_track = _assert_nested(events)
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert names == {"steps", "phases", "modules", "comm"}
+    assert names == {"steps", "phases", "modules", "modules_backward", "comm"}
     assert {n for *_, n in by_track[(0, 1)]} == {"forward", "backward", "optimizer"}
     (step,) = by_track[(0, 0)]
     assert step == (0.0, 8e6, "step 0")  # µs since the profiler started at t = 100 s

@@ -18,7 +18,7 @@ from colossal.profiler.records import CommRecord, StepRecord
 
 __all__ = ["trace_events", "write_trace", "TRACKS"]
 
-TRACKS = {"steps": 0, "phases": 1, "modules": 2, "comm": 3}
+TRACKS = {"steps": 0, "phases": 1, "modules": 2, "modules_backward": 3, "comm": 4}
 """Thread id of each span track."""
 
 

@@ -94,6 +94,8 @@ class ProfilerConfig:
     """Record a span per module forward, down to ``module_depth``."""
     module_depth: int = 2
     """Deepest module level with spans: 1 = the model's children, 2 = their children, ..."""
+    module_backward: bool = False
+    """Also record module backward spans (full backward hooks: see ``module_backward.py`` for the caveats)."""
     flops: bool = False
     """Count FLOPs with ``torch.utils.flop_counter`` (costly: a dispatch mode on every op)."""
     straggler: bool = False

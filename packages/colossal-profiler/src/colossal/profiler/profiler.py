@@ -22,6 +22,7 @@ from colossal.profiler.comm import CommRecorder, straggler_waits
 from colossal.profiler.config import Action, ProfilerConfig
 from colossal.profiler.intervals import StepFigures, step_figures
 from colossal.profiler.memory import MemoryRecorder
+from colossal.profiler.module_backward import BackwardModuleRecorder
 from colossal.profiler.modules import ModuleRecorder
 from colossal.profiler.outputs import Outputs
 from colossal.profiler.phases import PhaseRecorder
@@ -189,6 +190,7 @@ class Profiler:
         module_boundary = (lambda label: self._memory.sample(label, recount=False)) if cfg.memory else None
         self._phases = PhaseRecorder(self._spans, phase_boundary)
         self._modules = ModuleRecorder(self._spans, module_boundary, cfg.flops)
+        self._modules_bwd = BackwardModuleRecorder(self._spans)
         self._recorders_built = True
 
     def _attach(self) -> None:
@@ -206,6 +208,8 @@ class Profiler:
             self._phases.attach(self.model, self.optimizer)
         if self.model is not None and (cfg.modules or cfg.flops):
             self._modules.attach(self.model, cfg.module_depth if cfg.modules else 0)
+        if self.model is not None and cfg.module_backward:
+            self._modules_bwd.attach(self.model, cfg.module_depth)
 
     def _router(self, source: str) -> Callable[[Any], None]:
         comm, memory = self.config.comm, self.config.memory
@@ -227,6 +231,7 @@ class Profiler:
         if self._recorders_built:
             self._phases.detach()
             self._modules.detach()
+            self._modules_bwd.detach()
 
     # ---- tables ----------------------------------------------------------------------------------
 

@@ -64,12 +64,12 @@ def comm_by_site(records: Sequence[CommRecord]) -> list[dict[str, Any]]:
 def step_summary(rec: StepRecord, figures: StepFigures, rank: int, world_size: int) -> dict[str, Any]:
     """One JSON-ready line for the summary file."""
     phases: dict[str, float] = defaultdict(float)
-    modules: dict[str, dict[str, float]] = {}
+    modules: dict[str, dict[str, dict[str, float]]] = {"modules": {}, "modules_backward": {}}
     for s in rec.spans:
         if s.track == "phases":
             phases[s.name] += s.duration
         else:
-            entry = modules.setdefault(s.name, {"time": 0.0, "calls": 0, "flops": 0})
+            entry = modules[s.track].setdefault(s.name, {"time": 0.0, "calls": 0, "flops": 0})
             entry["time"] += s.duration
             entry["calls"] += 1
             entry["flops"] += s.args.get("flops", 0)
@@ -81,7 +81,7 @@ def step_summary(rec: StepRecord, figures: StepFigures, rank: int, world_size: i
         "world_size": world_size,
         **{f.name: getattr(figures, f.name) for f in dataclasses.fields(figures)},  # shallow: all plain numbers
         "phases": dict(phases),
-        "modules": modules,
+        **modules,
         "peak_memory_by_tier": peak,
         "chunk_move_bytes": sum(m.nbytes for m in rec.moves),
         "comm_by_op": comm_by_op(rec.comm),
