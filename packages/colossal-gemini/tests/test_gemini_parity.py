@@ -53,3 +53,17 @@ def test_bf16_loss_curve_within_one_percent(reference):
     assert gem.manager.chunks[0].master.dtype == torch.float32
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 0.01 * abs(b)
+
+
+def test_bf16_masters_start_from_the_unrounded_fp32_weights():
+    from gemini_gpt import GPT, GPTConfig
+
+    from colossal.gemini import GeminiDDP
+
+    model = GPT(GPTConfig())
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    gem = GeminiDDP(model, device_memory_budget=PRESSURE, chunk_size=8192, mixed_precision=torch.bfloat16)
+    assert gem.module.wte.weight.dtype == torch.bfloat16
+    state = gem.state_dict()
+    for k, v in init.items():
+        assert torch.equal(state[k], v)

@@ -117,6 +117,10 @@ class ChunkManager:
         lo, hi = chunk.shard_range(self.rank)
         chunk.master = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} master")
         chunk.master.copy_(chunk.payload[lo:hi])
+        for info, data in zip(chunk.tensors, originals):  # masters from the unrounded originals
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a < b and not data.is_meta:
+                chunk.master[a - lo : b - lo].copy_(data.reshape(-1)[a - info.offset : b - info.offset])
         chunk.grad_shard = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} grad").zero_()
         chunk.shard = self.host.alloc(chunk.shard_size, self.dtype, f"chunk {chunk.id} shard")
         chunk.shard.copy_(chunk.payload[lo:hi])

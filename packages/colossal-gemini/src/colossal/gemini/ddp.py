@@ -60,8 +60,6 @@ class GeminiDDP(nn.Module):
         names = {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
         named = [(names[p], p) for p in params]
         self.dtype = self.config.mixed_precision or torch.float32
-        for _, p in named:
-            p.data = p.data.to(self.dtype) if not p.is_meta else torch.empty(p.shape, dtype=self.dtype, device="meta")
         group = self.config.process_group
         dev = torch.device(self.config.device)
         self.manager = ChunkManager(
