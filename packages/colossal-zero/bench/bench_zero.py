@@ -90,6 +90,7 @@ def _zero_step(zero):
 
 def run_variant(variant: str, cfg_kw: dict, batch: int, steps: int, lr: float) -> dict:
     cfg = GPTConfig(**cfg_kw)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process before the model
     model, step, zero = _build(variant, cfg, lr)
     g = torch.Generator().manual_seed(dist.get_rank())
     times = []
@@ -108,6 +109,7 @@ def run_variant(variant: str, cfg_kw: dict, batch: int, steps: int, lr: float) -
         "variant": variant,
         "step_s": t.item(),
         "peak_rss": rss,
+        "base_rss": base,
         "model_state": zero.memory_stats() if zero else None,
     }
 
@@ -130,19 +132,23 @@ def main() -> None:
     rows = []
     for v in args.variants.split(","):
         per_rank = run_distributed(run_variant, args.nproc, v, cfg, args.batch, args.steps, 1e-4, timeout=3600)
-        rows.append(per_rank[0] | {"peak_rss": max(r["peak_rss"] for r in per_rank)})
+        peak = max(r["peak_rss"] for r in per_rank)
+        rows.append(
+            per_rank[0] | {"peak_rss": peak, "peak_rss_delta": max(r["peak_rss"] - r["base_rss"] for r in per_rank)}
+        )
     _report(rows, vars(args) | {"params": psi})
 
 
 def _report(rows: list[dict], meta: dict) -> None:
     by = {r["variant"]: r for r in rows}
-    print(f"{'variant':<15}{'s/step':>9}{'vs FSDP2':>10}{'vs DDP':>9}{'peak RSS GiB':>14}{'model states GiB':>18}")
+    print(f"{'variant':<15}{'s/step':>9}{'vs FSDP2':>10}{'vs DDP':>9}{'peak RSS GiB':>14}{'RSS growth GiB':>16}"
+          f"{'model states GiB':>18}")  # fmt: skip
     for r in rows:
         ratio = {k: r["step_s"] / by[k]["step_s"] if k in by else float("nan") for k in ("fsdp2", "ddp")}
         ms = r["model_state"]["total"] / 2**30 if r["model_state"] else float("nan")
         print(
             f"{r['variant']:<15}{r['step_s']:>9.3f}{ratio['fsdp2']:>10.2f}{ratio['ddp']:>9.2f}"
-            f"{r['peak_rss'] / 2**30:>14.2f}{ms:>18.3f}"
+            f"{r['peak_rss'] / 2**30:>14.2f}{r['peak_rss_delta'] / 2**30:>16.2f}{ms:>18.3f}"
         )
     out = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)

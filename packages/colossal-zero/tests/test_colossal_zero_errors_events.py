@@ -8,7 +8,7 @@ from colossal_zero_testutil import loss_of, make_model, make_optimizer, rank_bat
 from torch import nn
 
 from colossal.comm.testing import run_distributed
-from colossal.zero import MemorySample, ZeroConfig, ZeroOptimizer, register_observer
+from colossal.zero import MemorySample, ZeroConfig, ZeroOptimizer, register_observer, shard_model
 
 
 def _error(fn):
@@ -40,11 +40,13 @@ def bad_inputs():
         "hsdp_stage1": lambda: ZeroConfig(stage=1, replicate_group=dist.group.WORLD),
         "overlap": lambda: ZeroOptimizer(make_optimizer(model), model, replicate_group=dist.group.WORLD),
         "both_config": lambda: ZeroOptimizer(make_optimizer(model), model, config=ZeroConfig(), stage=2),
+        "shard_model_stage": lambda: shard_model(model, make_optimizer(model), stage=2),
     }
     out = {k: _error(f) for k, f in cases.items()}
     if dist.get_rank() == 1:
         out["not_member"] = _error(lambda: ZeroOptimizer(make_optimizer(model), model, group=only_rank0))
-    zero = ZeroOptimizer(make_optimizer(model), model, stage=2)
+    zero = shard_model(model, make_optimizer(model))
+    assert zero.config.stage == 3
     out["twice"] = _error(lambda: ZeroOptimizer(make_optimizer(model), model))
     out["closure"] = _error(lambda: zero.step(closure=lambda: 0))
     return out
@@ -62,6 +64,7 @@ def test_bad_input_errors():
             "hsdp_stage1": ("NotImplementedError", "stage 2 and 3"),
             "overlap": ("ValueError", "meet in exactly this rank"),
             "both_config": ("TypeError", "either config="),
+            "shard_model_stage": ("ValueError", "shard_model is stage 3"),
             "twice": ("ValueError", "already managed"),
             "closure": ("NotImplementedError", "closure=None"),
         }
