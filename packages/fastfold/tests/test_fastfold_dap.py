@@ -60,14 +60,27 @@ def rank_extra_and_template(n_res):
     return True
 
 
+def rank_dap_chunked_inplace(n_seq, n_res):
+    model = randomize_(EvoformerStack(tiny_evo()).double()).eval()
+    args = [rand(n_seq, n_res, 12, seed=1), rand(n_res, n_res, 8, seed=2)]
+    args += [rand_mask(n_seq, n_res, seed=3), rand_mask(n_res, n_res, seed=4)]
+    with torch.no_grad():
+        ref = model(*args)
+        out = model(*args, chunk_size=2, inplace=True, dap=Dap())
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 def rank_two_ranks_all_stacks():
+    rank_dap_chunked_inplace(3, 7)
     rank_evoformer(3, 7, checkpoint=False)
     rank_evoformer(3, 7, checkpoint=True)  # recomputation re-issues the collectives in backward
     return rank_extra_and_template(7)
 
 
 def test_dap_2_ranks_evoformer_checkpointed_extra_msa_template():
-    """R=7, S=3: both padded to 8 and 4; plain, activation-checkpointed, Extra-MSA and template."""
+    """R=7, S=3: both padded to 8 and 4; chunked in-place inference, plain, activation-checkpointed,
+    Extra-MSA and template."""
     assert run_distributed(rank_two_ranks_all_stacks, 2, timeout=180) == [True, True]
 
 
