@@ -152,7 +152,9 @@ def run_trunk(spec: TrunkSpec, timeout: float = 3600.0) -> list[TrunkResult]:
 
 
 def spawn_ranks(fn, spec: TrunkSpec, *args, timeout: float = 3600.0) -> list:
-    """Run module-level ``fn(spec, *args)`` on ``spec.dap_size`` fresh local gloo/NCCL processes."""
+    """Run module-level ``fn(spec, *args)`` on ``spec.dap_size`` fresh local processes (NCCL, one
+    GPU per rank, with CUDA; gloo on CPU)."""
+    from colossal.comm import default_backend
     from colossal.comm.testing import run_distributed
 
     threads = spec.threads or max(1, (os.cpu_count() or 1) // spec.dap_size)
@@ -160,7 +162,7 @@ def spawn_ranks(fn, spec: TrunkSpec, *args, timeout: float = 3600.0) -> list:
     # (glibc's adaptive threshold would otherwise keep freed activations in the heap). Takes
     # effect for the worker processes started after this point.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 17))
-    return run_distributed(fn, spec.dap_size, spec, *args, timeout=timeout, threads=threads)
+    return run_distributed(fn, spec.dap_size, spec, *args, timeout=timeout, threads=threads, backend=default_backend())
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -43,10 +43,12 @@ def _rank_train(spec, steps: int):
     import time
 
     from fastfold.inference import TrunkResult, _load
-    from fastfold.memory import current_rss_bytes, peak_rss_bytes, reset_peak_memory
+    from fastfold.memory import current_rss_bytes, peak_device_bytes, peak_rss_bytes, reset_peak_memory
 
     torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // spec.dap_size))
-    model, feats = _load(spec, torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda"))
+    from colossal.comm import default_device
+
+    model, feats = _load(spec, default_device())
     dap = Dap() if spec.dap_size > 1 else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     loss_fn = lambda m, z, s: m.pow(2).mean() + z.pow(2).mean() + s.pow(2).mean()
@@ -58,7 +60,11 @@ def _rank_train(spec, steps: int):
     seconds, peak = (time.perf_counter() - start) / steps, peak_rss_bytes()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return TrunkResult(
-        rank=rank, seconds=seconds, peak_rss_bytes=peak, activation_bytes=max(peak - base, 0), peak_device_bytes=0
+        rank=rank,
+        seconds=seconds,
+        peak_rss_bytes=peak,
+        activation_bytes=max(peak - base, 0),
+        peak_device_bytes=peak_device_bytes(),
     )
 
 
