@@ -6,10 +6,10 @@ sums partial results over ranks (plus the dp gradient average), changing only re
 
 import pytest
 import torch
-from colossalai_harness import boosted_losses, boosted_setup, reference_losses
+from colossalai_harness import boosted_losses, boosted_setup, criterion, make_model_and_optim, reference_losses
 
 from colossal.comm.testing import run_distributed
-from colossalai import HybridParallelPlugin
+from colossalai import HybridParallelPlugin, TorchDDPPlugin
 
 STEPS = 3
 
@@ -25,6 +25,24 @@ def test_hybrid_matches_plain_pytorch(world, tp):
     ref = torch.tensor(reference_losses(STEPS))
     for rank_losses in got:
         torch.testing.assert_close(torch.tensor(rank_losses), ref, rtol=1e-5, atol=0)
+
+
+def _clip_norm():
+    booster, model, optim, loader = boosted_setup(HybridParallelPlugin(tp_size=2))
+    x, y = next(iter(loader))
+    booster.backward(criterion(model(x), y), optim)
+    return booster.clip_grad_norm(optim, 1e-3).item()
+
+
+def test_hybrid_clips_by_the_dense_gradient_norm():
+    torch.manual_seed(0)
+    model, _ = make_model_and_optim()
+    _, _, _, loader = boosted_setup(TorchDDPPlugin())  # one process: the same first global batch
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    ref = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    norms = run_distributed(_clip_norm, 2, timeout=120)
+    assert norms[0] == pytest.approx(ref, rel=1e-5) and norms[1] == pytest.approx(ref, rel=1e-5)
 
 
 def test_hybrid_refuses_unsupported_layouts():

@@ -50,11 +50,12 @@ class TorchDDPPlugin(Plugin):
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.ddp_kwargs = dict(
             bucket_cap_mb=bucket_cap_mb,
-            broadcast_buffers=broadcast_buffers,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
+        if not broadcast_buffers:  # passed only when changed: newer torch deprecates the argument
+            self.ddp_kwargs["broadcast_buffers"] = False
 
     def configure(self, model: nn.Module, optimizer, precision: Precision):
         """Move ``model`` to this rank's device (materialising meta tensors) and wrap it in DDP."""

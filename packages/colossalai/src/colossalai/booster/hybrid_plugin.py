@@ -23,8 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
+from colossalai.booster.precision import Precision
+from colossalai.booster.wrappers import BoostedOptimizer
 
-__all__ = ["HybridParallelPlugin"]
+__all__ = ["HybridParallelPlugin", "TensorParallelOptimizer"]
 
 _SUPPORTED_MODES = ("1d",)
 
@@ -42,13 +44,33 @@ class _GatherLogits(nn.Module):
         return gather_output_1d(self.module(*args, **kwargs), self.group)
 
 
+class TensorParallelOptimizer(BoostedOptimizer):
+    """Clips by the norm of the *dense* gradients: tp-sharded gradients are summed over the tp
+    group, replicated ones (LayerNorms, position embedding) counted once
+    (``colossal.optim.clip_grad_norm_``)."""
+
+    def __init__(self, optimizer, sharded: list, replicated: list, tp_group) -> None:
+        super().__init__(optimizer)
+        self.sharded, self.replicated, self.tp_group = sharded, replicated, tp_group
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Total norm of the dense gradients (identical on every rank), clipped in place."""
+        from colossal.optim import clip_grad_norm_
+
+        grads = lambda ps: [p.grad for p in ps if p.grad is not None]
+        return clip_grad_norm_(grads(self.sharded), max_norm, norm_type, group=self.tp_group,
+                               replicated=grads(self.replicated))  # fmt: skip
+
+
 class HybridParallelPlugin(Plugin):
     """``HybridParallelPlugin(tp_size=2, tp_mode="1d")``: tensor parallel inside groups of
     ``tp_size`` ranks, data parallel across them. Supported now: ``tp_mode="1d"``, ``sp_size=1``,
-    ``zero_stage=0``; other values raise ``NotImplementedError``. fp32 and bf16.
+    ``zero_stage=0``; other values raise ``NotImplementedError``. fp32 and bf16 (fp16 would need an
+    overflow check agreed over the tp group).
     """
 
     name = "hybrid"
+    supported_precisions = (Precision.FP32, Precision.BF16)
 
     def __init__(self, *, tp_size: int = 2, tp_mode: str = "1d", sp_size: int = 1, zero_stage: int = 0) -> None:
         if not isinstance(tp_size, int) or tp_size < 1:
@@ -98,11 +120,19 @@ class HybridParallelPlugin(Plugin):
         with torch.profiler.record_function("colossalai.booster::tensor_parallel"):
             parallelize(model, self.tp_mode, mesh.group("tp"))
         rebind_optimizer(optimizer, names, model)
+        if optimizer is not None:
+            optimizer = self._tp_optimizer(optimizer, model, mesh.group("tp"))
         wrapped: nn.Module = _GatherLogits(model, mesh.group("tp"))
         if self.dp_size() > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DDP(wrapped, device_ids=ids, process_group=mesh.group("dp"))
         return wrapped, optimizer
+
+    def _tp_optimizer(self, optimizer, model: nn.Module, tp_group) -> TensorParallelOptimizer:
+        params = dict(model.named_parameters())
+        sharded = [p for n, p in params.items() if p.shape != self._dense_shapes[n]]
+        replicated = [p for n, p in params.items() if p.shape == self._dense_shapes[n]]
+        return TensorParallelOptimizer(optimizer, sharded, replicated, tp_group)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The (tensor-parallel) user module."""

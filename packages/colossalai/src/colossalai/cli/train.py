@@ -178,12 +178,14 @@ def _loop(args, booster, model, optim, loader, sched, state, seq_len, rank):
 
 
 def _sample(model, n_tokens: int, seed: int) -> str:
-    """Greedy-ish continuation of a Python prompt, identical on every rank (sharded models need all)."""
+    """A sampled continuation of a Python prompt through the boosted model (full logits on every
+    rank; the same seed everywhere keeps the ranks in step, which sharded models need)."""
     gpt = model.unwrap()
     gpt.eval()
-    prompt = encode("def ").view(1, -1).to(next(gpt.parameters()).device)
+    prompt = encode("def ").view(1, -1).to(model.device)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        out = gpt.generate(prompt, n_tokens, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(seed))
+        out = gpt.generate(prompt, n_tokens, temperature=0.8, top_k=20, generator=gen, forward=model)
     gpt.train()
     return decode(out[0].cpu())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -198,18 +199,23 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T0); returns (B, T0 + max_new_tokens).
 
         ``temperature`` 0 means greedy decoding; ``top_k`` keeps only the k likeliest tokens.
+        ``forward`` (ids (B, T) -> logits (B, T, V)) replaces ``self``, e.g. a distributed wrapper
+        of this model that returns full logits; with the same ``generator`` seed on every rank,
+        every rank then samples the same tokens.
         """
+        forward = forward or self
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         for _ in range(max_new_tokens):
             window = idx[:, -self.config.block_size :]  # (B, <=T)
-            logits = self(window)[:, -1, :]  # (B, V)
+            logits = forward(window)[:, -1, :].float()  # (B, V)
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:
@@ -217,7 +223,9 @@ class GPT(nn.Module):
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
                     logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits.float(), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                probs = torch.softmax(logits, dim=-1)
+                if generator is not None:  # sample where the generator lives (e.g. a CPU one for a CUDA model)
+                    probs = probs.to(generator.device)
+                nxt = torch.multinomial(probs, 1, generator=generator).to(idx.device)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
