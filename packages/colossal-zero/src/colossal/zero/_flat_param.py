@@ -7,8 +7,15 @@ Layout (``N`` = shard group size, ``r`` = this rank)::
     shard (padded // N,)     = full[r * shard_numel : (r + 1) * shard_numel]
 
 Each original parameter keeps its identity (optimizer, hooks, ``named_parameters`` still see it);
-only its ``.data`` is re-pointed: to a view of ``full`` while unsharded, to an empty tensor while
-sharded (stage 3).
+its ``.data`` is re-pointed once, to a view of ``full``.
+
+[Note: freeing by storage resize]
+Stage 3 frees a unit by resizing the storage of ``full`` to 0 bytes and re-gathers into the
+same storage (as FSDP2 does), instead of swapping ``.data`` to fresh tensors: autograd saves
+views of the weights (``addmm`` keeps ``W.t()``), and a saved view would otherwise keep the old
+gathered buffer alive from forward until backward, so parameters would never really be freed.
+While a buffer is sharded its parameters have no storage: do not read them (use the engine's
+``full_model_state_dict()``).
 """
 
 from __future__ import annotations
@@ -85,22 +92,28 @@ class FlatParam:
         """This rank's slice (a view) of a ``(padded_numel,)`` tensor."""
         return flat[self.shard_start : self.shard_start + self.shard_numel]
 
-    def to_unsharded(self, full: torch.Tensor) -> None:
-        """Hold ``full`` and point every parameter at its view of it."""
+    def init_full(self, full: torch.Tensor) -> None:
+        """Adopt ``full`` as the buffer for good and point every parameter at its view of it."""
         assert full.numel() == self.padded_numel, (full.numel(), self.padded_numel)
         self.full = full
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=True):
             p.data = full[off : off + n].view(shape)
         self.state = ShardedState.UNSHARDED
 
+    def to_unsharded(self, gathered: torch.Tensor) -> None:
+        """Re-allocate the buffer's storage and fill it with the gathered ``(padded_numel,)`` values."""
+        if self.state is ShardedState.UNSHARDED:
+            raise RuntimeError(f"to_unsharded from {self.state}, expected {ShardedState.SHARDED}/GATHERING")
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded_numel * self.full.element_size())
+        self.full.copy_(gathered)
+        self.state = ShardedState.UNSHARDED
+
     def to_sharded(self) -> None:
-        """Drop the full buffer; parameters point at empty tensors (their shapes live here)."""
+        """Free the buffer's storage (see [Note: freeing by storage resize])."""
         if self.state is not ShardedState.UNSHARDED:
             raise RuntimeError(f"to_sharded from {self.state}, expected {ShardedState.UNSHARDED}")
-        dtype, device = self.full.dtype, self.full.device
-        for p in self.params:
-            p.data = torch.empty(0, dtype=dtype, device=device)
-        self.full = None
+        self.full.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
 
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:

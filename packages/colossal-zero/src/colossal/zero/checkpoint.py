@@ -56,7 +56,10 @@ def full_model_state_dict(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
         full = _gather_full(zero, _values(flat))
         for p, off, n, shape in zip(flat.params, flat.offsets, flat.numels, flat.shapes, strict=True):
             values[id(p)] = full[off : off + n].view(shape).clone()
-    return {k: values.get(id(t), t.detach().cpu().clone()) for k, t in zero.module.state_dict(keep_vars=True).items()}
+    out = {}
+    for k, t in zero.module.state_dict(keep_vars=True).items():  # never read a sharded parameter's storage
+        out[k] = values[id(t)] if id(t) in values else t.detach().cpu().clone()
+    return out
 
 
 def _param_index(zero: ZeroOptimizer) -> dict[int, int]:

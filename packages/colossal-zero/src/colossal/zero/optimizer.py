@@ -122,14 +122,15 @@ class ZeroOptimizer:
             if cfg.replicate_group is not None:
                 broadcast(full32, 0, cfg.replicate_group, tag="zero.sync_module_states")
         full = full32 if cfg.param_dtype == torch.float32 else full32.to(cfg.param_dtype)
-        flat.to_unsharded(full)
+        flat.init_full(full)
         own = flat.local(full)
         if cfg.stage == 3:
-            flat.shard = own.clone()
-            flat.to_sharded()
+            flat.shard = own.clone()  # (shard_numel,) the persistent local shard
             own = flat.shard
         if flat.group_index is not None:
             place_master(flat, own, flat.local(full32), cfg.offload)
+        if cfg.stage == 3:
+            flat.to_sharded()  # frees full (and full32 when it is the same tensor)
 
     def _make_scaler(self):
         cfg = self.config
@@ -231,8 +232,9 @@ class ZeroOptimizer:
         out = {"params": defaultdict(int), "grads": defaultdict(int), "optimizer_states": defaultdict(int)}
 
         def add(kind: str, t: torch.Tensor | None) -> None:
-            if t is not None:
-                out[kind]["cuda" if t.device.type == "cuda" else "cpu"] += t.numel() * t.element_size()
+            if t is not None:  # storage bytes: a freed stage-3 buffer holds none
+                nbytes = min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                out[kind]["cuda" if t.device.type == "cuda" else "cpu"] += nbytes
 
         for flat in self.flats:
             add("params", flat.full)
