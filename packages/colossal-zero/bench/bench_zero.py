@@ -125,7 +125,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=0,
+        help="bytes; >0 fixes glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_) for every rank of every "
+        "variant, so freed large buffers go back to the OS instead of fragmenting the heap (0: glibc default)",
+    )
     args = p.parse_args()
+    if args.mmap_threshold > 0:  # read by glibc when the forkserver starts (before the first run)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     cfg = dict(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab, block_size=args.seq)
     psi = sum(x.numel() for x in GPT(GPTConfig(**cfg)).parameters())
     print(f"GPT {psi / 1e6:.1f}M params, {args.nproc} gloo ranks x 1 thread, batch {args.batch}x{args.seq}")
