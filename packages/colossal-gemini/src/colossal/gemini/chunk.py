@@ -107,6 +107,7 @@ class Chunk:
         self.grad_shard: torch.Tensor | None = None
         self.o_tier = "host"  # tier name of master, grad_shard and the optimizer states
         self.has_grad = False  # grad_shard holds gradients not yet consumed by a step
+        self.written: set[int] = set()  # offsets of tensors whose gradient went straight to grad_shard this pass
         self.pending = None  # async reduce-scatter handle
         self.states_accounted = False  # optimizer states charged to o_tier (after the first step)
 

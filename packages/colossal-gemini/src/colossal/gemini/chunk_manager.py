@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import colossal.comm as comm
+from colossal.gemini import events
 from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
 from colossal.gemini.tiers import DeviceTier, HostTier, Tier, Traffic, count, transfer
 
@@ -74,6 +75,7 @@ class ChunkManager:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.dtype = dtype
         self.traffic = Traffic()
+        self.grad_buffer_bytes = 0  # device bytes of live gradient buffers
         numels = [p.numel() for _, p in params]
         size = chunk_size or search_chunk_size(numels, align=self.world_size)
         size = -(-size // self.world_size) * self.world_size
@@ -160,7 +162,7 @@ class ChunkManager:
         """Make the whole chunk computable on the device (bring the shard over, then gather)."""
         if chunk.state is ChunkState.GATHERED:
             return
-        with torch.profiler.record_function("colossal.gemini::fetch"):
+        with events.label("fetch"):
             if not self.sharded:
                 start = time.perf_counter()
                 was = chunk.w_tier
@@ -186,7 +188,7 @@ class ChunkManager:
 
     def evict(self, chunk: Chunk) -> None:
         """Move the chunk's working shard to the host tier (releasing the payload first)."""
-        with torch.profiler.record_function("colossal.gemini::evict"):
+        with events.label("evict"):
             if not self.sharded:
                 if chunk.state is ChunkState.RELEASED:
                     return
@@ -209,19 +211,34 @@ class ChunkManager:
             raise IllegalTransitionError(f"chunk {chunk.id}: cannot {what} while tensors {busy} are in COMPUTE")
 
     # -- gradients -------------------------------------------------------------------------------------
+    def direct_grad(self, chunk: Chunk) -> bool:
+        """Unsharded chunk with its fp32 gradient shard on the device: gradients go straight there (no buffer)."""
+        return not self.sharded and chunk.o_tier == "device"
+
     def add_grad(self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor) -> None:
         """Copy one parameter's gradient into the chunk's gradient buffer (allocated on first use)."""
+        if self.direct_grad(chunk):
+            dst = chunk.grad_shard[info.offset : info.offset + info.numel]
+            (dst.add_ if chunk.has_grad else dst.copy_)(grad.reshape(-1))
+            chunk.written.add(info.offset)
+            return
         if chunk.grad_buffer is None:
-            self.device.charge(chunk.nbytes, f"chunk {chunk.id} gradient buffer")
-            chunk.grad_buffer = torch.zeros(chunk.size, dtype=self.dtype, device=self.device.device)
+            self._alloc_grad_buffer(chunk)
         chunk.grad_buffer[info.offset : info.offset + info.numel].copy_(grad.reshape(-1))
+
+    def _alloc_grad_buffer(self, chunk: Chunk) -> None:
+        self.device.charge(chunk.nbytes, f"chunk {chunk.id} gradient buffer")
+        chunk.grad_buffer = torch.zeros(chunk.size, dtype=self.dtype, device=self.device.device)
+        self.grad_buffer_bytes += chunk.nbytes
 
     def reduce(self, chunk: Chunk) -> None:
         """Start reducing the chunk's gradient buffer (reduce-scatter over the group when sharded)."""
+        if self.direct_grad(chunk):
+            chunk.pending = None
+            return
         if chunk.grad_buffer is None:  # every tensor unused on this rank: contribute zeros
-            self.device.charge(chunk.nbytes, f"chunk {chunk.id} gradient buffer")
-            chunk.grad_buffer = torch.zeros(chunk.size, dtype=self.dtype, device=self.device.device)
-        with torch.profiler.record_function("colossal.gemini::reduce"):
+            self._alloc_grad_buffer(chunk)
+        with events.label("reduce"):
             if self.sharded:
                 chunk.pending = comm.reduce_scatter(
                     chunk.grad_buffer, "sum", self.group, async_op=True, tag="gemini.reduce_scatter"
@@ -231,12 +248,23 @@ class ChunkManager:
 
     def finish_reduce(self, chunk: Chunk) -> None:
         """Wait for the reduction, add the averaged gradient shard into ``grad_shard`` on its tier."""
+        if self.direct_grad(chunk):
+            if not chunk.has_grad:  # slots no gradient was written to (unused parameters, padding) are zero
+                for info in chunk.tensors:
+                    if info.offset not in chunk.written:
+                        chunk.grad_shard[info.offset : info.offset + info.numel].zero_()
+                chunk.grad_shard[chunk.used :].zero_()
+            chunk.written.clear()
+            chunk.has_grad = True
+            chunk.after_reduce()
+            return
         grad = chunk.pending.wait() if chunk.pending is not None else chunk.grad_buffer
         chunk.pending = None
         if self.sharded:
             grad.div_(self.world_size)
+        accumulate = chunk.grad_shard.add_ if chunk.has_grad else chunk.grad_shard.copy_  # no zeroing pass
         if chunk.o_tier == "device":
-            chunk.grad_shard.add_(grad)
+            accumulate(grad)
         else:
             start = time.perf_counter()
             host_grad = grad.to("cpu", non_blocking=False)
@@ -249,10 +277,11 @@ class ChunkManager:
                 "grad_offload",
                 start,
             )
-            chunk.grad_shard.add_(host_grad)
+            accumulate(host_grad)
         chunk.has_grad = True
         chunk.grad_buffer = None
         self.device.refund(chunk.nbytes)
+        self.grad_buffer_bytes -= chunk.nbytes
         chunk.after_reduce()
 
     # -- master weights --------------------------------------------------------------------------------

@@ -83,6 +83,14 @@ class GeminiDDP(nn.Module):
         self._reset_iteration()
         self._handles = self._register_hooks(module)
 
+    def __setattr__(self, name: str, value) -> None:
+        # per-operator state: plain attributes (nn.Module.__setattr__ is slow, and would register
+        # the module held in _bwd_module as a child)
+        if name in _RUNTIME:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # -- setup ----------------------------------------------------------------------------------------
     def _collect_module_chunks(self, module: nn.Module) -> dict[nn.Module, tuple[str, list[Chunk], list]]:
         out = {}
@@ -167,13 +175,10 @@ class GeminiDDP(nn.Module):
         op = ops[i] if 0 <= i < len(ops) else None
         if op is None:
             return self.trace.peak_non_model_bytes
-        return op.non_model_bytes + max(0, op.pinned_bytes - self._grad_buffer_bytes())
-
-    def _grad_buffer_bytes(self) -> int:
-        return sum(c.nbytes for c in self.manager.chunks if c.grad_buffer is not None)
+        return op.non_model_bytes + max(0, op.pinned_bytes - self.manager.grad_buffer_bytes)
 
     def _begin_op(self, label: str, chunks: list[Chunk]) -> None:
-        with self.tracker.suspended(), torch.profiler.record_function("colossal.gemini::placement"):
+        with self.tracker.suspended(), events.label("placement"):
             training = torch.is_grad_enabled() or self._in_backward
             i = self.op_index if training else -1
             if self.warmup and training:
@@ -204,7 +209,7 @@ class GeminiDDP(nn.Module):
             if self.manager.device.device.type == "cuda":
                 op.cuda_non_model_bytes = torch.cuda.memory_allocated() - self.manager.device.used_bytes
             self.tracker.reset_peak()
-            self._pinned = self._grad_buffer_bytes()
+            self._pinned = self.manager.grad_buffer_bytes
             self._op_model = 0
 
     def _sample(self, label: str, i: int) -> None:
@@ -246,11 +251,13 @@ class GeminiDDP(nn.Module):
     def _grad_ready(self, param: nn.Parameter) -> None:
         chunk, info = self.manager.chunk_of[param]
         with self.tracker.suspended():
-            if chunk.grad_buffer is None:
+            new_buffer = chunk.grad_buffer is None and not self.manager.direct_grad(chunk)
+            if new_buffer:
                 self.policy.make_room(chunk.nbytes, {c.id for c in self._current}, self.op_index - 1)
             self.manager.add_grad(chunk, info, param.grad)
-            self._pinned = max(self._pinned, self._grad_buffer_bytes())
-            self._sample("grad", self.op_index - 1)
+            if new_buffer:
+                self._pinned = max(self._pinned, self.manager.grad_buffer_bytes)
+                self._sample("grad", self.op_index - 1)
             param.grad = None
             chunk.transition(info, TensorState.READY_FOR_REDUCE)
             if chunk.ready_for_reduce:
@@ -332,3 +339,25 @@ class GeminiDDP(nn.Module):
     def stats(self) -> GeminiStats | None:
         """Statistics of the last finished step."""
         return self.stats_history[-1] if self.stats_history else None
+
+
+_RUNTIME = frozenset(
+    {
+        "op_index",
+        "_current",
+        "_bwd_infos",
+        "_bwd_module",
+        "_in_backward",
+        "_peak",
+        "_pinned",
+        "_tracking",
+        "_record_open",
+        "_op_model",
+        "_reduced",
+        "warmup",
+        "belady_bytes",
+        "policy",
+        "trace",
+        "tracker",
+    }
+)

@@ -6,12 +6,15 @@ With no observer registered, publishing costs one branch (``if _OBSERVERS``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ChunkMoveEvent", "MemorySample", "ObserverHandle", "register_observer", "has_observers", "emit"]
+import torch
+
+__all__ = ["ChunkMoveEvent", "MemorySample", "ObserverHandle", "register_observer", "has_observers", "emit", "label"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,3 +98,10 @@ def emit(event: Any) -> None:
     """Deliver ``event`` to every observer."""
     for fn in list(_OBSERVERS):
         fn(event)
+
+
+def label(phase: str):
+    """``record_function("colossal.gemini::<phase>")`` while a profiler runs, else a no-op (hooks stay cheap)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"colossal.gemini::{phase}")
+    return contextlib.nullcontext()

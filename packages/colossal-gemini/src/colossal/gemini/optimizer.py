@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from colossal.gemini import events
 from colossal.gemini.chunk import Chunk
 from colossal.gemini.ddp import GeminiDDP
 from colossal.gemini.tiers import transfer
@@ -38,6 +39,7 @@ class GeminiOptimizer:
         loss_scaler=None,
         max_grad_norm: float = 0.0,
         norm_type: float = 2.0,
+        check_overflow: bool = False,
     ):
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
@@ -58,6 +60,7 @@ class GeminiOptimizer:
             loss_scaler = DynamicLossScaler() if model.dtype == torch.float16 else ConstantLossScaler()
         self.scaler = loss_scaler
         self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
+        self.check_overflow = check_overflow  # also skip non-finite steps with a constant loss scale
         self.slices: dict[int, list[tuple[nn.Parameter, int, int, str]]] = {}  # chunk -> (fake, lo, hi, name)
         self._replace_params()
         self.skipped_steps = 0
@@ -85,20 +88,26 @@ class GeminiOptimizer:
         self.scaler.scale_loss(loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop accumulated gradients."""
+        """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""
         for c in self.manager.chunks:
-            c.grad_shard.zero_()
             c.has_grad = False
 
     def _grads(self) -> list[torch.Tensor]:
+        for c in self.manager.chunks:
+            if not c.has_grad:  # no backward since the last step: stale contents mean zero
+                c.grad_shard.zero_()
+                c.has_grad = True
         return [c.grad_shard for c in self.manager.chunks]
 
     def step(self) -> bool:
         """Unscale, skip on overflow, clip, step, refresh the working weights; returns False when skipped."""
-        with torch.profiler.record_function("colossal.gemini::step"):
+        with events.label("step"):
             grads = self._grads()
-            self.scaler.unscale_(grads)
-            found_inf = has_inf_or_nan(grads, group=self.manager.group)
+            if self.scaler.scale != 1.0:
+                self.scaler.unscale_(grads)
+            # fp16's dynamic scale can overflow; fp32/bf16 with a constant scaler are checked only on request
+            check = self.check_overflow or isinstance(self.scaler, DynamicLossScaler)
+            found_inf = check and has_inf_or_nan(grads, group=self.manager.group)
             if found_inf:
                 self.skipped_steps += 1
             else:
