@@ -84,11 +84,15 @@ class FlatSpace:
 
     def gather_grads(self) -> None:
         """Make every ``p.grad`` a view of ``grad_flat`` (copying foreign ones in); fill ``grad_master``."""
-        for p, sl in zip(self.params, self._slices):
-            view = self.grad_flat[sl]
-            if p.grad.data_ptr() != view.data_ptr() or p.grad.dtype != view.dtype:
-                view.view_as(p).copy_(p.grad)
-                p.grad = view.view_as(p)
+        views = [self.grad_flat[sl] for sl in self._slices]
+        foreign = [i for i, (p, v) in enumerate(zip(self.params, views)) if p.grad.data_ptr() != v.data_ptr()]
+        if len(foreign) == len(views) > 1:  # typical after zero_grad(set_to_none=True): one copy kernel
+            torch.cat([p.grad.reshape(-1) for p in self.params], out=self.grad_flat)
+        else:
+            for i in foreign:
+                views[i].view_as(self.params[i]).copy_(self.params[i].grad)
+        for i in foreign:
+            self.params[i].grad = views[i].view_as(self.params[i])
         if self.has_master:
             self.grad_master.copy_(self.grad_flat)
 
