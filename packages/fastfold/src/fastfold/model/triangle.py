@@ -41,11 +41,8 @@ class TriangleMultiplicativeUpdate(nn.Module):
         ab = chunk_apply(fn, [z_ln, mask], [-3, -2], chunk_size, -3)  # [*, I, J, 2c]
         return ab.chunk(2, dim=-1)
 
-    def _combine(self, a_c, b, z_c):
-        if self.outgoing:
-            x = torch.einsum("...ikc,...jkc->...ijc", a_c, b)  # a [*, I_c, K, c], b [*, J, K, c]
-        else:
-            x = torch.einsum("...kic,...kjc->...ijc", a_c, b)  # a [*, K, I_c, c], b [*, K, J, c]
+    def _combine(self, a_c, b_t, z_c):
+        x = (a_c @ b_t).movedim(-3, -1)  # [*, c, I_c, K] @ [*, c, K, J] -> [*, I_c, J, c]
         return sigmoid_gate(self.linear_z(self.layer_norm_out(x)), self.linear_g(z_c))
 
     def forward(self, z, mask, chunk_size=None, dap=None, accumulate_into=None) -> torch.Tensor:
@@ -55,9 +52,15 @@ class TriangleMultiplicativeUpdate(nn.Module):
         a, b = self._project(z_ln, mask, chunk_size)
         if dap is not None:
             a, b = (a, dap.gather(b, -3)) if self.outgoing else (dap.gather(a, -2), b)
-        a_dim = -3 if self.outgoing else -2
-        fn = lambda a_c, z_c: self._combine(a_c, b, z_c)
-        return chunk_apply(fn, [a, z_ln], [a_dim, -3], chunk_size, -3, accumulate_into)
+        # Channels-first operands, permuted once for all chunks:
+        # outgoing x_ij = sum_k a_ik b_jk; incoming x_ij = sum_k a_ki b_kj.
+        if self.outgoing:
+            a_t, b_t = a.movedim(-1, -3).contiguous(), b.movedim(-1, -3).transpose(-1, -2).contiguous()
+        else:
+            a_t, b_t = a.movedim(-1, -3).transpose(-1, -2).contiguous(), b.movedim(-1, -3).contiguous()
+        del a, b  # [*, c, I, K] and [*, c, K, J] replace them
+        fn = lambda a_c, z_c: self._combine(a_c, b_t, z_c)
+        return chunk_apply(fn, [a_t, z_ln], [-2, -3], chunk_size, -3, accumulate_into)
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):
