@@ -116,12 +116,10 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
 
-    def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient into the flat local gradient buffer."""
-        if self.full_grad is None:
-            self.full_grad = torch.zeros(self.padded_numel, dtype=grad.dtype, device=grad.device)
+    def grad_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s slot in ``full_grad``, shaped like the parameter."""
         off, n = self.offsets[index], self.numels[index]
-        self.full_grad[off : off + n].add_(grad.reshape(-1))
+        return self.full_grad[off : off + n].view(self.shapes[index])
 
     def slices(self) -> list[ParamSlice]:
         """The parts of each parameter inside this rank's shard, in order."""

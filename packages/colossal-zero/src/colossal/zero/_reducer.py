@@ -16,6 +16,14 @@ slice. Stage 1 keeps a persistent full ``full_grad`` (the paper's P_os does not 
 gradients); after each reduce-scatter its owned slice holds the reduced sum and the rest is
 zeroed, so the next reduce-scatter adds the new local gradients to that sum exactly once.
 Gradients are summed, not averaged: the step divides by the data-parallel size once.
+
+[Note: gradients as buffer views]
+As DDP's ``gradient_as_bucket_view``: once a buffer's flat gradient exists, every parameter's
+``.grad`` is a view of its slot, and autograd's ``AccumulateGrad`` adds into a defined ``.grad``
+in place. Only a gradient that arrives before its buffer exists (the first of a stage-2 bucket
+in a pass) is copied. This saves a copy per parameter and, more importantly on the CPU, the
+allocation and freeing of every parameter's gradient each step (heap churn that shows as RSS).
+Stage 2/3 drop the views with the buffer after its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ class GradReducer:
         p = flat.params[0]
         dtype, device = (flat.full.dtype, flat.full.device) if flat.full is not None else (p.dtype, p.device)
         if self.keep_full_grad:
-            flat.full_grad = torch.zeros(flat.padded_numel, dtype=dtype, device=device)
+            self._ensure_full_grad(flat, torch.empty(0, dtype=dtype, device=device))
         else:
             dtype = flat.shard.dtype if flat.shard is not None else dtype
             flat.shard_grad = torch.zeros(flat.shard_numel, dtype=dtype, device=device)
@@ -85,14 +93,28 @@ class GradReducer:
 
     def _on_grad(self, flat: FlatParam, index: int, param: torch.Tensor) -> None:
         self.ensure_callback()
-        flat.accumulate_grad(index, param.grad)
-        param.grad = None
+        grad = param.grad
+        self._ensure_full_grad(flat, grad)
+        view = flat.grad_view(index)
+        if grad.data_ptr() != view.data_ptr():  # autograd made a fresh tensor: fold it in, hand it our slot
+            view.add_(grad)
+            param.grad = view
         flat.ready.add(index)
         if len(flat.ready) == len(flat.trainable):
             if self.on_complete is not None:
                 self.on_complete(flat)
             if self.sync:
                 self._launch_completed()
+
+    def _ensure_full_grad(self, flat: FlatParam, like: torch.Tensor) -> None:
+        """Allocate the flat gradient buffer and make every parameter's ``.grad`` a view of it, so
+        autograd accumulates in place (no per-parameter gradient tensors, no copies; see the
+        [Note: gradients as buffer views])."""
+        if flat.full_grad is None:
+            flat.full_grad = torch.zeros(flat.padded_numel, dtype=like.dtype, device=like.device)
+        for i in flat.trainable:
+            if flat.params[i].grad is None:
+                flat.params[i].grad = flat.grad_view(i)
 
     def _launch_completed(self) -> None:
         while self._next < len(self.flats) and len(self.flats[self._next].ready) == len(
@@ -121,7 +143,12 @@ class GradReducer:
             flat.local(full).copy_(out)
         else:
             flat.shard_grad.add_(out)
-            flat.full_grad = None
+            self._drop_full_grad(flat)
+
+    def _drop_full_grad(self, flat: FlatParam) -> None:
+        for p in flat.params:
+            p.grad = None  # the views would keep the buffer alive
+        flat.full_grad = None
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -147,7 +174,7 @@ class GradReducer:
                 flat.full_grad.zero_()
             else:
                 flat.shard_grad.zero_()
-                flat.full_grad = None
+                self._drop_full_grad(flat)
 
     def remove(self) -> None:
         """Unregister the hooks."""

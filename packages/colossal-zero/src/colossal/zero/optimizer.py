@@ -207,12 +207,14 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients (the sharded ones and any left on parameters)."""
-        self.reducer.zero_grad()
+        self.reducer.zero_grad()  # stage 1 keeps its views (zeroed); stages 2/3 drop them
+        managed = {id(f) for f in self.reducer.flats}
         for flat in self.flats:
             if flat.master is not None:
                 flat.master.grad = None
-            for p in flat.params:
-                p.grad = None
+            if id(flat) not in managed:
+                for p in flat.params:
+                    p.grad = None
 
     # -- observability --------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
