@@ -102,9 +102,13 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job. Until the meta-package lands: the colossal-comm bandwidth demo on 2 ranks."""
-    install_packages(session, ["colossal-comm"])
-    session.run("python", "-m", "colossal.comm.demo", "--nproc", "2", *session.posargs)
+    """The main job: ``colossalai train`` (the tiny GPT on the embedded corpus, on the CPU).
+
+    Extra arguments go to ``colossalai train`` (e.g. ``nox -s demo -- --plugin zero --nproc 2``).
+    """
+    install_packages(session, sibling_closure("colossalai") + ["colossalai"])
+    session.env.setdefault("OMP_NUM_THREADS", "2")
+    session.run("colossalai", "train", *session.posargs)
 
 
 @nox.session
