@@ -1,20 +1,34 @@
-"""Hybrid parallelism: data x tensor through ``colossal.tensor_parallel`` on a ``colossal.comm.Mesh``.
+"""Hybrid parallelism: data x tensor (1D/2D/2.5D/3D) or data x sequence parallel, through
+``colossal.tensor_parallel`` on a ``colossal.comm.Mesh``.
 
-Layout: ``Mesh(axes={"dp": world // tp_size, "tp": tp_size})``. The model is converted in place
-by ``colossal.tensor_parallel.parallelize(model, "1d", tp_group)`` (Megatron column/row splits,
-vocab-parallel embedding and head), its vocab-split logits are gathered so that the user's
-criterion runs unchanged, and gradients are averaged over the ``dp`` axis by DDP on the dp group.
+Layouts: ``Mesh(axes={"dp": world // tp_size, "tp": tp_size})`` for tensor parallelism,
+``Mesh(axes={"dp": world // sp_size, "sp": sp_size})`` for sequence parallelism. The model is
+converted in place by ``colossal.tensor_parallel.parallelize`` (``gpt_plan(mode)`` by default),
+its split logits are gathered so that the user's criterion runs unchanged on the full
+``(B, T, V)`` logits, and gradients are averaged over ``dp`` (times ``sp``) by DDP.
 
 [Note: tensor-parallel state in checkpoints]
 A 1D-parallel parameter is an even split, in rank order, of the dense parameter along one
-dimension, i.e. exactly a ``DTensor`` with ``Shard(dim)`` on the ``tp`` sub-mesh. State dicts are
-therefore handed to DCP as DTensors (dimension found by comparing with the dense shapes recorded
-before conversion), so that checkpoints reshard to any other plugin or layout.
+dimension, i.e. exactly a ``DTensor`` with ``Shard(dim)`` on the ``tp`` sub-mesh. 1D state dicts
+are therefore handed to DCP as DTensors (dimension found by comparing with the dense shapes
+recorded before conversion). 2D/2.5D/3D blocks are not one-dimensional splits: their state is
+gathered to the dense tensors over the tp group on save and re-split on load
+(:class:`~colossalai.booster.hybrid_shards.ShardIndex`). Either way the checkpoint holds the
+original names and full logical shapes, so it loads into any other plugin or layout.
+
+[Note: sequence-parallel gradients]
+Each ``sp`` rank runs its ``T/sp`` tokens, the logits are all-gathered along the sequence and the
+user's criterion gives every ``sp`` rank the loss of the whole local batch. The gather's backward
+keeps each rank's own chunk, so a rank's gradients are its tokens' share of the full gradient: the
+full gradient is their *sum* over ``sp``. DDP over the ``dp x sp`` group *averages*, so the
+gradient entering the sequence model is multiplied by ``sp``: the average over ``dp x sp`` of
+``sp x share`` is the mean over ``dp`` of the full gradients, as plain data parallelism gives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -22,76 +36,126 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
+from colossalai.booster.hybrid_shards import ShardIndex, TensorParallelOptimizer, multiplicity
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
-from colossalai.booster.wrappers import BoostedOptimizer
 
 __all__ = ["HybridParallelPlugin", "TensorParallelOptimizer"]
 
-_SUPPORTED_MODES = ("1d",)
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+SP_KINDS = ("ring", "all_to_all")
+_GRID_POWER = {"2d": 2, "2.5d": 2, "3d": 3}
+
+
+def _check_layout(tp_size: int, tp_mode: str, tp_depth: int) -> None:
+    """``tp_size`` must be ``q^2`` (2D), ``q^2 * tp_depth`` (2.5D) or ``q^3`` (3D)."""
+    if tp_depth != 1 and tp_mode != "2.5d":
+        raise ValueError(f"tp_depth is the 2.5D depth; expected 1 for tp_mode={tp_mode!r}, got {tp_depth}")
+    if tp_mode not in _GRID_POWER:
+        return
+    power = _GRID_POWER[tp_mode]
+    q = round((tp_size / tp_depth) ** (1 / power)) if tp_size % tp_depth == 0 else 0
+    if q < 1 or q**power * tp_depth != tp_size:
+        need = {"2d": "q^2", "2.5d": "q^2 * tp_depth", "3d": "q^3"}[tp_mode]
+        raise ValueError(f"tp_mode={tp_mode!r} needs tp_size = {need}; got tp_size={tp_size}, tp_depth={tp_depth}")
+
+
+def _gather_fn(mode: str, target):
+    """The mode's differentiable gather of split logits into the full ``(B, T, V)``."""
+    import colossal.tensor_parallel as ctp
+
+    if mode == "1d":
+        return functools.partial(ctp.gather_output_1d, group=target)
+    if mode == "2d":
+        return functools.partial(ctp.gather_output_2d, grid=ctp.Grid2D.of(target))
+    if mode == "2.5d":
+        return functools.partial(ctp.gather_output_2p5d, grid=ctp.grid_2p5d(target))
+    return functools.partial(ctp.gather_output_3d, grid=ctp.Grid3D.of(target), orient="L1")  # LM head emits L1
 
 
 class _GatherLogits(nn.Module):
-    """Runs the tensor-parallel model and all-gathers its vocab-split logits (B, T, V/P) -> (B, T, V)."""
+    """Runs the tensor-parallel model and gathers its split logits into the full ``(B, T, V)``."""
 
-    def __init__(self, module: nn.Module, group) -> None:
+    def __init__(self, module: nn.Module, gather) -> None:
         super().__init__()
-        self.module, self.group = module, group
+        self.module, self.gather = module, gather
 
     def forward(self, *args, **kwargs):
-        from colossal.tensor_parallel import gather_output_1d
-
-        return gather_output_1d(self.module(*args, **kwargs), self.group)
+        return self.gather(self.module(*args, **kwargs))
 
 
-class TensorParallelOptimizer(BoostedOptimizer):
-    """Clips by the norm of the *dense* gradients: tp-sharded gradients are summed over the tp
-    group, replicated ones (LayerNorms, position embedding) counted once
-    (``colossal.optim.clip_grad_norm_``)."""
+class _SequenceParallel(nn.Module):
+    """Splits ``(B, T)`` ids over ``sp``, runs the sequence-parallel model, gathers ``(B, T, V)``
+    logits; the gradient entering the model is scaled by ``sp`` (``[Note: sequence-parallel gradients]``)."""
 
-    def __init__(self, optimizer, sharded: list, replicated: list, tp_group) -> None:
-        super().__init__(optimizer)
-        self.sharded, self.replicated, self.tp_group = sharded, replicated, tp_group
+    def __init__(self, module: nn.Module, group, sp_size: int) -> None:
+        super().__init__()
+        self.module, self.group, self.sp_size = module, group, sp_size
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Total norm of the dense gradients (identical on every rank), clipped in place."""
-        from colossal.optim import clip_grad_norm_
+    def forward(self, idx: torch.Tensor, *args, **kwargs):
+        from colossal.tensor_parallel import gather_sequence, split_sequence
 
-        grads = lambda ps: [p.grad for p in ps if p.grad is not None]
-        return clip_grad_norm_(grads(self.sharded), max_norm, norm_type, group=self.tp_group,
-                               replicated=grads(self.replicated))  # fmt: skip
+        out = self.module(split_sequence(idx, self.group), *args, **kwargs)  # (B, T/sp, V)
+        if out.requires_grad:
+            out.register_hook(lambda g: g * self.sp_size)
+        return gather_sequence(out, self.group)  # (B, T, V)
 
 
 class HybridParallelPlugin(Plugin):
-    """``HybridParallelPlugin(tp_size=2, tp_mode="1d")``: tensor parallel inside groups of
-    ``tp_size`` ranks, data parallel across them. Supported now: ``tp_mode="1d"``, ``sp_size=1``,
-    ``zero_stage=0``; other values raise ``NotImplementedError``. fp32 and bf16 (fp16 would need an
-    overflow check agreed over the tp group).
+    """``HybridParallelPlugin(tp_size=4, tp_mode="2d")``: tensor parallel inside groups of
+    ``tp_size`` ranks (``tp_mode`` 1d, 2d, 2.5d with ``tp_depth``, 3d), data parallel across them;
+    or ``HybridParallelPlugin(tp_size=1, sp_size=2)``: sequence parallel (``sp_kind`` ring or
+    all_to_all attention) inside groups of ``sp_size`` ranks, data parallel across them.
+    Not supported (``NotImplementedError``): tp and sp together, ``zero_stage`` > 0, fp16 (its
+    overflow check would have to be agreed over the tp group); fp32 and bf16 are.
     """
 
     name = "hybrid"
     supported_precisions = (Precision.FP32, Precision.BF16)
 
-    def __init__(self, *, tp_size: int = 2, tp_mode: str = "1d", sp_size: int = 1, zero_stage: int = 0) -> None:
-        if not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
-        if tp_mode not in _SUPPORTED_MODES:
-            raise NotImplementedError(f"HybridParallelPlugin supports tp_mode in {_SUPPORTED_MODES}, got {tp_mode!r}")
-        if sp_size != 1 or zero_stage != 0:
+    def __init__(
+        self,
+        *,
+        tp_size: int = 2,
+        tp_mode: str = "1d",
+        tp_depth: int = 1,
+        sp_size: int = 1,
+        sp_kind: str = "ring",
+        zero_stage: int = 0,
+    ) -> None:
+        for arg, value in (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if tp_mode not in TP_MODES:
+            raise NotImplementedError(f"HybridParallelPlugin supports tp_mode in {TP_MODES}, got {tp_mode!r}")
+        if sp_kind not in SP_KINDS:
+            raise ValueError(f"sp_kind must be one of {SP_KINDS}, got {sp_kind!r}")
+        if sp_size > 1 and tp_size > 1:
             raise NotImplementedError(
-                f"HybridParallelPlugin supports sp_size=1 and zero_stage=0 for now, got {sp_size} and {zero_stage}"
+                f"HybridParallelPlugin supports tp_size > 1 or sp_size > 1, not both; got {tp_size} and {sp_size}"
             )
-        self.tp_size, self.tp_mode = tp_size, tp_mode
+        if zero_stage != 0:
+            raise NotImplementedError(f"HybridParallelPlugin supports zero_stage=0 only, got {zero_stage!r}")
+        _check_layout(tp_size, tp_mode, tp_depth)
+        self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
+        self.sp_size, self.sp_kind = sp_size, sp_kind
         self.mesh = None
         self._dense_shapes: dict[str, torch.Size] = {}
+        self._shards: ShardIndex | None = None  # 2D/2.5D/3D state gather/split maps
+
+    @property
+    def _inner(self) -> tuple[str, int]:
+        """The model-parallel mesh axis and its size."""
+        return ("sp", self.sp_size) if self.sp_size > 1 else ("tp", self.tp_size)
 
     def _build_mesh(self):
         from colossal.comm import Mesh
 
-        if world_size() % self.tp_size:
-            raise ValueError(f"world size {world_size()} must be divisible by tp_size={self.tp_size}")
+        axis, size = self._inner
+        if world_size() % size:
+            raise ValueError(f"world size {world_size()} must be divisible by {axis}_size={size}")
         if self.mesh is None:
-            self.mesh = Mesh(axes={"dp": world_size() // self.tp_size, "tp": self.tp_size})
+            self.mesh = Mesh(axes={"dp": world_size() // size, axis: size})
         return self.mesh
 
     @property
@@ -101,89 +165,111 @@ class HybridParallelPlugin(Plugin):
 
     def dp_size(self) -> int:
         """Replicas along the dp axis."""
-        return world_size() // self.tp_size
+        return world_size() // self._inner[1]
 
     def dp_rank(self) -> int:
-        """This rank's dp coordinate (tp peers read the same data)."""
+        """This rank's dp coordinate (tp / sp peers read the same data)."""
         return self._build_mesh().coordinate("dp")
 
     def configure(self, model: nn.Module, optimizer, precision):
-        """Materialise, convert to tensor parallel, gather logits, wrap in DDP over dp."""
-        from colossal.tensor_parallel import parallelize
-
+        """Materialise, convert (tensor or sequence parallel), gather logits, wrap in DDP."""
         if not torch.distributed.is_initialized():
             raise ValueError("HybridParallelPlugin needs torch.distributed initialised (torchrun or launch())")
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
-        with torch.profiler.record_function("colossalai.booster::tensor_parallel"):
-            parallelize(model, self.tp_mode, mesh.group("tp"))
+        with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
+            wrapped, ddp_group = self._sequence(model, mesh) if self.sp_size > 1 else self._tensor(model, mesh)
         rebind_optimizer(optimizer, names, model)
         if optimizer is not None:
-            optimizer = self._tp_optimizer(optimizer, model, mesh.group("tp"))
-        wrapped: nn.Module = _GatherLogits(model, mesh.group("tp"))
-        if self.dp_size() > 1:
+            axis, size = self._inner
+            replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
+            optimizer = TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size)
+        if torch.distributed.get_world_size(ddp_group) > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DDP(wrapped, device_ids=ids, process_group=mesh.group("dp"))
+            wrapped = DDP(wrapped, device_ids=ids, process_group=ddp_group)
         return wrapped, optimizer
 
-    def _tp_optimizer(self, optimizer, model: nn.Module, tp_group) -> TensorParallelOptimizer:
-        params = dict(model.named_parameters())
-        sharded = [p for n, p in params.items() if p.shape != self._dense_shapes[n]]
-        replicated = [p for n, p in params.items() if p.shape == self._dense_shapes[n]]
-        return TensorParallelOptimizer(optimizer, sharded, replicated, tp_group)
+    def _tensor(self, model: nn.Module, mesh):
+        from colossal.tensor_parallel import parallelize
+
+        target = mesh.group("tp") if self.tp_mode == "1d" else mesh.layout(self.tp_mode, "tp", depth=self.tp_depth)
+        convert = lambda m: parallelize(m, self.tp_mode, target, depth=self.tp_depth)  # noqa: E731
+        if self.tp_mode != "1d":
+            self._shards = ShardIndex(model, convert, mesh.group("tp"))  # from the dense model, before converting
+        convert(model)
+        return _GatherLogits(model, _gather_fn(self.tp_mode, target)), mesh.group("dp")
+
+    def _sequence(self, model: nn.Module, mesh):
+        from colossal.tensor_parallel import parallelize
+
+        parallelize(model, "sequence", mesh.group("sp"), kind=self.sp_kind)
+        return _SequenceParallel(model, mesh.group("sp"), self.sp_size), mesh.product_group("dp", "sp")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The (tensor-parallel) user module."""
+        """The (tensor- or sequence-parallel) user module."""
         model = model.module if isinstance(model, DDP) else model
-        return model.module if isinstance(model, _GatherLogits) else model
+        return model.module if isinstance(model, (_GatherLogits, _SequenceParallel)) else model
 
     def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
-        """DDP's ``no_sync`` over the dp axis."""
+        """DDP's ``no_sync`` over the dp (x sp) axis."""
         return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
 
-    # ---- state: DTensors over the tp axis (see the module note) --------------------------------
-    def _to_dtensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+    # ---- state: dense names and logical shapes (see the module note) ----------------------------
+    def _to_portable(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """1D: a tp DTensor; 2D/2.5D/3D: the gathered dense tensor; sequence parallel: as is."""
+        if self._shards is not None:
+            return self._shards.gather(name, local)
+        if self.sp_size > 1:
+            return local
         dense = self._dense_shapes[name]
         dims = [d for d in range(local.dim()) if local.shape[d] != dense[d]]
         placement = Shard(dims[0]) if dims else Replicate()
         return DTensor.from_local(local, self.mesh.device_mesh["tp"], [placement], run_check=False)
 
+    def _to_local(self, name: str, state: torch.Tensor) -> torch.Tensor:
+        if isinstance(state, DTensor):
+            return state.to_local()
+        return self._shards.split(name, state) if self._shards is not None else state
+
     def model_state_dict(self, model: nn.Module) -> dict:
-        """Parameters as tp-sharded DTensors under their dense names (buffers as they are)."""
+        """Parameters under their dense names with their dense logical shapes (buffers as they are)."""
         module = self.unwrap(model)
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names included
-        return {n: self._to_dtensor(n, t.detach()) if n in params else t for n, t in module.state_dict().items()}
+        return {n: self._to_portable(n, t.detach()) if n in params else t for n, t in module.state_dict().items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
-        """Copy each loaded DTensor's local shard into the parameter."""
+        """Copy this rank's block of each loaded tensor into the parameter."""
         module = self.unwrap(model)
+        params = dict(module.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for n, t in module.state_dict(keep_vars=True).items():
-                t.copy_(state[n].to_local() if isinstance(state[n], DTensor) else state[n])
+                t.copy_(self._to_local(n, state[n]) if n in params else state[n])
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The dense model (all-gathered over tp) on every rank."""
+        """The dense model (gathered over tp) on every rank."""
         sd = self.model_state_dict(model)
         return {n: t.full_tensor().cpu() if isinstance(t, DTensor) else t.cpu() for n, t in sd.items()}
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
-        """torch's name-keyed optimizer state with parameter-shaped entries as tp DTensors."""
+        """torch's name-keyed optimizer state with parameter-shaped entries made portable."""
         sd = super().optimizer_state_dict(self.unwrap(model), optimizer)
         for name, entry in sd["state"].items():
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    entry[k] = self._to_dtensor(name, v)
+                    entry[k] = self._to_portable(name, v)
         return sd
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
-        """Local shards of the loaded DTensors back into the optimizer."""
-        for entry in state["state"].values():
+        """This rank's blocks of the loaded entries back into the optimizer."""
+        for name, entry in state["state"].items():
             for k, v in entry.items():
-                if isinstance(v, DTensor):
-                    entry[k] = v.to_local()
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    entry[k] = self._to_local(name, v)
         super().load_optimizer_state_dict(self.unwrap(model), optimizer, state)
 
     def __repr__(self) -> str:
-        return f"HybridParallelPlugin(tp_size={self.tp_size}, tp_mode={self.tp_mode!r})"
+        axis, size = self._inner
+        mode = self.tp_mode if axis == "tp" else self.sp_kind
+        return f"HybridParallelPlugin({axis}_size={size}, {'tp_mode' if axis == 'tp' else 'sp_kind'}={mode!r})"

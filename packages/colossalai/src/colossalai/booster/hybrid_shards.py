@@ -1,0 +1,111 @@
+"""Where every element of a tensor-parallel parameter comes from, and what that gives the hybrid
+plugin: dense checkpoints (gather / re-split) and the dense gradient norm (each element once).
+
+[Note: shard index maps]
+2D, 2.5D and 3D layers hold blocks of their dense parameters in mode-specific layouts (row and
+column blocks, vectors split over ``q^2`` ranks, weights replicated over the 2.5D depth, position
+embeddings replicated over grid rows). Rather than re-deriving each layer's layout, the plugin
+converts a float64 copy of the dense model whose every parameter holds ``arange(numel)`` with the
+same ``parallelize`` call: each local "parameter" of that copy is then exactly the flat dense
+index of every local element (``ShardIndex.index``). Gathering is an all-gather of values and
+indices over the tp group and a scatter into the dense tensor (replicas write equal values);
+re-splitting is one ``take``. Correct for any plan, by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossalai.booster.wrappers import BoostedOptimizer
+
+__all__ = ["ShardIndex", "TensorParallelOptimizer", "multiplicity"]
+
+
+def multiplicity(local: torch.Tensor, dense_shape: torch.Size, group_size: int) -> int:
+    """How many ranks of a ``group_size`` group hold each element (even layouts): 1 = sharded,
+    ``group_size`` = replicated, in between for partial replication (2.5D depth, 2D positions)."""
+    copies, rem = divmod(local.numel() * group_size, max(dense_shape.numel(), 1))
+    assert rem == 0 and copies >= 1, (tuple(local.shape), tuple(dense_shape), group_size)
+    return copies
+
+
+class ShardIndex:
+    """Flat dense index of every local element of every parameter (see ``[Note: shard index maps]``)."""
+
+    def __init__(self, dense: nn.Module, convert, group) -> None:
+        probe = copy.deepcopy(dense)
+        with torch.no_grad():
+            for p in probe.parameters():  # unique parameters: ties stay tied
+                p.data = torch.arange(p.numel(), dtype=torch.float64, device=p.device).view(p.shape)
+        with torch.random.fork_rng(devices=[]):  # conversion must not move the training RNG
+            convert(probe)
+        self.group = group
+        self.dense_shapes = {n: p.shape for n, p in dense.named_parameters(remove_duplicate=False)}
+        self.index = {n: p.detach().round().long() for n, p in probe.named_parameters(remove_duplicate=False)}
+        del probe
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The dense tensor of parameter ``name`` (or of a parameter-shaped state) from every rank's block."""
+        from colossal.comm import all_gather
+
+        values = all_gather(local.detach().reshape(-1).contiguous(), self.group)
+        index = all_gather(self.index[name].reshape(-1).to(local.device), self.group)
+        dense = torch.empty(self.dense_shapes[name].numel(), dtype=local.dtype, device=local.device)
+        dense[index] = values
+        return dense.view(self.dense_shapes[name])
+
+    def split(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the dense tensor of parameter ``name``."""
+        shape = self.dense_shapes[name]
+        if tuple(dense.shape) != tuple(shape):
+            raise ValueError(f"state {name!r}: expected the dense shape {tuple(shape)}, got {tuple(dense.shape)}")
+        index = self.index[name]
+        return dense.reshape(-1).to(index.device).take(index)
+
+    def replicas(self, name: str, local: torch.Tensor) -> int:
+        """:func:`multiplicity` of parameter ``name`` over the tp group."""
+        return multiplicity(local, self.dense_shapes[name], dist.get_world_size(self.group))
+
+
+class TensorParallelOptimizer(BoostedOptimizer):
+    """Clips by the norm of the *dense* gradients: every gradient element is counted once, whether
+    it is sharded over the tp group, replicated on all of it (LayerNorms in 1D), or held by
+    ``m`` of its ranks (2.5D depth, 2D position embedding: weighted by ``m^(-1/p)``).
+    ``colossal.optim.grad_norm`` does the reduction."""
+
+    def __init__(self, optimizer, replicas: list[tuple[nn.Parameter, int]], group, group_size: int) -> None:
+        super().__init__(optimizer)
+        self.replicas, self.tp_group, self.group_size = replicas, group, group_size
+
+    def _split(self, p: float) -> tuple[list, list]:
+        sharded, replicated = [], []
+        for param, m in self.replicas:
+            if param.grad is None:
+                continue
+            if m == self.group_size:  # on every rank of the group: counted once
+                replicated.append(param.grad)
+            elif m == 1 or p == float("inf"):  # a max is not changed by duplicates
+                sharded.append(param.grad)
+            else:
+                sharded.append(param.grad * m ** (-1.0 / p))
+        return sharded, replicated
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Total norm of the dense gradients (identical on every rank), clipped in place."""
+        from colossal.optim import grad_norm
+
+        self._unscale()
+        sharded, replicated = self._split(float(norm_type))
+        total = grad_norm(sharded, norm_type, group=self.tp_group, replicated=replicated)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param, _ in self.replicas:
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.device))
+        return total
