@@ -92,6 +92,6 @@ def test_memory_samples_and_comm_stats(stage):
     for samples, stats, comm in run_distributed(observed_step, 2, stage, timeout=120):
         assert [s.kind for s in samples] == ["memory_sample"]
         assert isinstance(samples[0], MemorySample) and samples[0].tier == "cpu"
-        assert samples[0].model_bytes == stats["total"] > 0
+        assert samples[0].model_bytes > stats["total"] > 0  # sampled before the gradient shards are dropped
         assert stats["total"] == stats["params"] + stats["grads"] + stats["optimizer_states"]
         assert set(comm) == {"all_gather", "reduce_scatter"}

@@ -35,18 +35,17 @@ def measure(stage, dtype, reshard_root):
     zero = ZeroOptimizer(make_optimizer(model), model, stage=stage, param_dtype=dtype, reshard_root=reshard_root)
     root_psi = sum(f.padded_numel for f in zero.units[0].flats) if stage == 3 else 0
     padded = sum(f.padded_numel for f in zero.flats)
-    for step in range(2):  # the first fp16 step may be skipped by the loss scaler; states exist after 2
+    for step in range(3):  # optimizer states exist after the first step not skipped (fp16: scaler)
         x, y = rank_batch(step, 0, 1, dist.get_world_size(), dist.get_rank())
         with CommCounter() as counter:
             zero.backward(loss_of(model, x, y))
+            mem = zero.memory_stats()  # every model state is live here: after backward, before the step
             zero.step()
     counted = {
         op: counter.by_tag.get(tag, 0)
         for op, tag in [("rs", "zero.reduce_scatter_grad"), ("ag", "zero.all_gather_params")]
     }
-    return dict(
-        psi=psi, padded=padded, root=root_psi, mem=zero.memory_stats(), comm=zero.last_step_comm, counted=counted
-    )
+    return dict(psi=psi, padded=padded, root=root_psi, mem=mem, comm=zero.last_step_comm, counted=counted)
 
 
 def rank_fn():

@@ -80,6 +80,8 @@ class FlatParam:
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad] if group_index is not None else []
         self.master_aliased = False  # master is the (fp32) shard of the working parameters itself
         self.unit = None  # stage 3: the Unit owning this buffer
+        self.grad_dtype: torch.dtype | None = None  # dtype/device of gradient communication
+        self.grad_device: torch.device | None = None
 
     def flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new padded flat copy of the parameters' current values."""

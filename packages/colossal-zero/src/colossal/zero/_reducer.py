@@ -75,15 +75,19 @@ class GradReducer:
     def _init_buffers(self, flat: FlatParam) -> None:
         p = flat.params[0]
         dtype, device = (flat.full.dtype, flat.full.device) if flat.full is not None else (p.dtype, p.device)
+        if flat.shard is not None:
+            dtype = flat.shard.dtype
+        flat.grad_dtype, flat.grad_device = dtype, device
         if self.keep_full_grad:
             self._ensure_full_grad(flat, torch.empty(0, dtype=dtype, device=device))
-        else:
-            dtype = flat.shard.dtype if flat.shard is not None else dtype
-            flat.shard_grad = torch.zeros(flat.shard_numel, dtype=dtype, device=device)
 
     def sharded_grad(self, flat: FlatParam) -> torch.Tensor:
         """This rank's slice of the reduced (summed) gradient of ``flat``, ``(shard_numel,)``."""
-        return flat.local(flat.full_grad) if self.keep_full_grad else flat.shard_grad
+        if self.keep_full_grad:
+            return flat.local(flat.full_grad)
+        if flat.shard_grad is None:  # a step without any backward since the last zero_grad
+            flat.shard_grad = torch.zeros(flat.shard_numel, dtype=flat.grad_dtype, device=flat.grad_device)
+        return flat.shard_grad
 
     def ensure_callback(self) -> None:
         """Queue the end-of-backward flush once per backward pass (call from inside a hook)."""
@@ -125,8 +129,7 @@ class GradReducer:
 
     def _start(self, flat: FlatParam) -> None:
         if flat.full_grad is None:  # no parameter of this buffer got a gradient
-            ref = flat.shard_grad
-            flat.full_grad = torch.zeros(flat.padded_numel, dtype=ref.dtype, device=ref.device)
+            flat.full_grad = torch.zeros(flat.padded_numel, dtype=flat.grad_dtype, device=flat.grad_device)
         with torch.profiler.record_function("colossal.zero::reduce_scatter"):
             handle = reduce_scatter(flat.full_grad, "sum", self.group, async_op=True, tag="zero.reduce_scatter_grad")
         self._inflight.append((flat, handle))
@@ -141,8 +144,8 @@ class GradReducer:
             full = flat.full_grad
             full.zero_()
             flat.local(full).copy_(out)
-        else:
-            flat.shard_grad.add_(out)
+        else:  # the shard exists from the first reduction of a step until zero_grad (as FSDP2's)
+            flat.shard_grad = out if flat.shard_grad is None else flat.shard_grad.add_(out)
             self._drop_full_grad(flat)
 
     def _drop_full_grad(self, flat: FlatParam) -> None:
@@ -173,7 +176,7 @@ class GradReducer:
             if self.keep_full_grad:
                 flat.full_grad.zero_()
             else:
-                flat.shard_grad.zero_()
+                flat.shard_grad = None
                 self._drop_full_grad(flat)
 
     def remove(self) -> None:

@@ -198,12 +198,12 @@ class ZeroOptimizer:
                 flat.shard.copy_(flat.master)
 
     def _finish_step(self) -> None:
-        self.zero_grad()
-        self.last_step_comm, self._comm_now = dict(self._comm_now), defaultdict(int)
-        if _events.has_observers():
+        if _events.has_observers():  # sampled before the gradients are dropped
             now, tiers = time.perf_counter(), self.memory_by_tier()
             for tier, nbytes in tiers.items():
                 _events.emit(_events.MemorySample(time=now, tier=tier, model_bytes=nbytes, label="zero.step"))
+        self.zero_grad()
+        self.last_step_comm, self._comm_now = dict(self._comm_now), defaultdict(int)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients (the sharded ones and any left on parameters)."""
@@ -219,7 +219,9 @@ class ZeroOptimizer:
     # -- observability --------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now: ``params`` (working), ``grads``, ``optimizer_states``
-        (fp32 masters not aliased to the parameters + every optimizer state tensor), ``total``."""
+        (fp32 masters not aliased to the parameters + every optimizer state tensor), ``total``.
+        Stage 2/3 gradient shards exist from backward until ``zero_grad`` (read it after backward
+        to see the step's full model states)."""
         return {k: sum(v.values()) for k, v in self._memory().items()} | {"total": sum(self.memory_by_tier().values())}
 
     def memory_by_tier(self) -> dict[str, int]:
