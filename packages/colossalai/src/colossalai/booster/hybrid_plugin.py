@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.hybrid_shards import ShardIndex, TensorParallelOptimizer, multiplicity
+from colossalai.booster.hybrid_zero import HybridZeroOptimizer, load_zero_optimizer, zero_engine, zero_optimizer_state
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 
@@ -44,6 +45,7 @@ __all__ = ["HybridParallelPlugin", "TensorParallelOptimizer"]
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_KINDS = ("ring", "all_to_all")
+ZERO_STAGES = (0, 1, 2)
 _GRID_POWER = {"2d": 2, "2.5d": 2, "3d": 3}
 
 
@@ -106,8 +108,10 @@ class HybridParallelPlugin(Plugin):
     ``tp_size`` ranks (``tp_mode`` 1d, 2d, 2.5d with ``tp_depth``, 3d), data parallel across them;
     or ``HybridParallelPlugin(tp_size=1, sp_size=2)``: sequence parallel (``sp_kind`` ring or
     all_to_all attention) inside groups of ``sp_size`` ranks, data parallel across them.
-    Not supported (``NotImplementedError``): tp and sp together, ``zero_stage`` > 0, fp16 (its
-    overflow check would have to be agreed over the tp group); fp32 and bf16 are.
+    ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
+    ``colossal.zero`` instead of DDP (clipping then needs ``tp_size=1``). Not supported
+    (``NotImplementedError``): tp and sp together, ``zero_stage=3``, fp16 (its overflow check
+    would have to be agreed over the tp group); fp32 and bf16 are.
     """
 
     name = "hybrid"
@@ -134,11 +138,12 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(
                 f"HybridParallelPlugin supports tp_size > 1 or sp_size > 1, not both; got {tp_size} and {sp_size}"
             )
-        if zero_stage != 0:
-            raise NotImplementedError(f"HybridParallelPlugin supports zero_stage=0 only, got {zero_stage!r}")
+        if zero_stage not in ZERO_STAGES:
+            raise NotImplementedError(f"HybridParallelPlugin supports zero_stage in {ZERO_STAGES}, got {zero_stage!r}")
         _check_layout(tp_size, tp_mode, tp_depth)
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
-        self.sp_size, self.sp_kind = sp_size, sp_kind
+        self.sp_size, self.sp_kind, self.zero_stage = sp_size, sp_kind, zero_stage
+        self._zero, self._zero_names = None, []  # ZeroOptimizer over dp (x sp), its index -> name
         self.mesh = None
         self._dense_shapes: dict[str, torch.Size] = {}
         self._shards: ShardIndex | None = None  # 2D/2.5D/3D state gather/split maps
@@ -182,6 +187,9 @@ class HybridParallelPlugin(Plugin):
         with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
             wrapped, ddp_group = self._sequence(model, mesh) if self.sp_size > 1 else self._tensor(model, mesh)
         rebind_optimizer(optimizer, names, model)
+        if self.zero_stage:  # ZeRO reduces (and shards) over the dp (x sp) group in place of DDP
+            self._zero, self._zero_names = zero_engine(model, optimizer, self.zero_stage, ddp_group)
+            return wrapped, HybridZeroOptimizer(self._zero, self.tp_size)
         if optimizer is not None:
             axis, size = self._inner
             replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
@@ -213,7 +221,9 @@ class HybridParallelPlugin(Plugin):
         return model.module if isinstance(model, (_GatherLogits, _SequenceParallel)) else model
 
     def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
-        """DDP's ``no_sync`` over the dp (x sp) axis."""
+        """DDP's (or ZeRO's) ``no_sync`` over the dp (x sp) axis."""
+        if self._zero is not None:
+            return self._zero.no_sync()
         return model.no_sync() if isinstance(model, DDP) else contextlib.nullcontext()
 
     # ---- state: dense names and logical shapes (see the module note) ----------------------------
@@ -237,12 +247,16 @@ class HybridParallelPlugin(Plugin):
         """Parameters under their dense names with their dense logical shapes (buffers as they are)."""
         module = self.unwrap(model)
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names included
-        return {n: self._to_portable(n, t.detach()) if n in params else t for n, t in module.state_dict().items()}
+        local = self._zero.full_model_state_dict() if self._zero is not None else module.state_dict()
+        return {n: self._to_portable(n, t.detach().to(self.device)) if n in params else t for n, t in local.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
         """Copy this rank's block of each loaded tensor into the parameter."""
         module = self.unwrap(model)
         params = dict(module.named_parameters(remove_duplicate=False))
+        if self._zero is not None:
+            local = {n: self._to_local(n, t) if n in params else t for n, t in state.items()}
+            return self._zero.load_full_model_state_dict({n: local[n] for n in module.state_dict()})
         with torch.no_grad():
             for n, t in module.state_dict(keep_vars=True).items():
                 t.copy_(self._to_local(n, state[n]) if n in params else state[n])
@@ -254,11 +268,14 @@ class HybridParallelPlugin(Plugin):
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """torch's name-keyed optimizer state with parameter-shaped entries made portable."""
-        sd = super().optimizer_state_dict(self.unwrap(model), optimizer)
+        if self._zero is not None:
+            sd = zero_optimizer_state(self._zero, self._zero_names)
+        else:
+            sd = super().optimizer_state_dict(self.unwrap(model), optimizer)
         for name, entry in sd["state"].items():
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    entry[k] = self._to_portable(name, v)
+                    entry[k] = self._to_portable(name, v.to(self.device))
         return sd
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
@@ -267,6 +284,8 @@ class HybridParallelPlugin(Plugin):
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     entry[k] = self._to_local(name, v)
+        if self._zero is not None:
+            return load_zero_optimizer(self._zero, self._zero_names, state)
         super().load_optimizer_state_dict(self.unwrap(model), optimizer, state)
 
     def __repr__(self) -> str:
