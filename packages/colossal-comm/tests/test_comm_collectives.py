@@ -154,3 +154,29 @@ def bad_arguments() -> list[str]:
 def test_bad_arguments_raise_before_communicating():
     out = run_distributed(bad_arguments, 2)
     assert out[0] == out[1] == ["TypeError"] + ["ValueError"] * 6
+
+
+def gather_and_scatter_into_out() -> bool:
+    n, r = dist.get_world_size(), dist.get_rank()
+    xs = [_input(s, (3, 2), torch.float32) for s in range(n)]
+    buf = torch.full((3 * n, 2), -1.0)
+    assert cc.all_gather(xs[r], out=buf) is buf and torch.equal(buf, torch.cat(xs))
+    big = [_input(s, (2 * n, 3), torch.float64, 6) for s in range(n)]
+    shard = torch.empty(2, 3, dtype=torch.float64)
+    handle = cc.reduce_scatter(big[r], out=shard, async_op=True)
+    assert handle.wait() is shard
+    _close(shard, sum(big).chunk(n, 0)[r], "reduce_scatter out")
+    errors = []
+    for call in (
+        lambda: cc.all_gather(xs[r], out=torch.empty(3 * n, 3)),
+        lambda: cc.reduce_scatter(big[r], out=torch.empty(2, 3)),  # float32 for float64 input
+    ):
+        try:
+            call()
+        except ValueError as e:
+            errors.append("out must be a contiguous" in str(e))
+    return errors == [True, True]
+
+
+def test_all_gather_and_reduce_scatter_into_caller_buffers():
+    assert run_distributed(gather_and_scatter_into_out, 2) == [True, True]

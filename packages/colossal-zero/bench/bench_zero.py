@@ -26,12 +26,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from colossal_zero_gpt import GPT, Block, GPTConfig  # noqa: E402
 
-from colossal.comm import testing  # noqa: E402
-from colossal.comm.testing import run_distributed  # noqa: E402
+from colossal.comm.testing import preload, run_distributed  # noqa: E402
 
-testing._PRELOAD.extend(
-    m for m in ("torch._dynamo", "torch.optim", "colossal.optim", "colossal.zero") if m not in testing._PRELOAD
-)
+preload("colossal.optim", "colossal.zero")
 
 VARIANTS = ["ddp", "torch_zero", "fsdp2", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload"]
 

@@ -7,15 +7,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from colossal_zero_gpt import GPT, GPTConfig
 
-from colossal.comm import testing as _harness
+from colossal.comm.testing import preload
 from colossal.zero import ZeroOptimizer
 
-# [Note: forkserver preload] Constructing any torch.optim optimizer imports torch._dynamo (~3 s
-# per rank on an idle core, far more on a loaded one). Preloading it in the harness's forkserver
-# (before the first run_distributed of the session) makes every rank start with it imported.
-for _mod in ("torch._dynamo", "torch.optim", "torch.distributed.checkpoint", "colossal.optim", "colossal.zero"):
-    if _mod not in _harness._PRELOAD:
-        _harness._PRELOAD.append(_mod)
+# Import these once in the harness's forkserver (before the first run of the session) so that no
+# rank pays for them; torch._dynamo and torch.optim are in the harness's default list already.
+preload("torch.distributed.checkpoint", "colossal.optim", "colossal.zero")
 
 B, T = 2, 8  # per-rank micro-batch, sequence length
 

@@ -174,11 +174,26 @@ def all_reduce(
     )
 
 
-def _gather_stacked(tensor: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, Callable]:
+def _check_out(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """``out`` if it can receive ``shape`` elements of ``like``'s kind, else a new buffer."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    _check_tensor("out", out)
+    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(
+            f"{what}: out must be a contiguous {like.dtype} tensor of shape {shape} on {like.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+        )
+    return out
+
+
+def _gather_stacked(
+    tensor: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Callable]:
     """Return a ``(n, *shape)`` view of the output buffer and the issuing callable."""
     n = dist.get_world_size(group)
     src = tensor.contiguous().view(-1) if tensor.dim() == 0 else tensor.contiguous()
-    flat = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+    flat = _check_out(out, src, (n * src.shape[0], *src.shape[1:]), "all_gather")
     return flat.view(n, *tensor.shape), lambda: _all_gather_flat(flat, src, group=group, async_op=True)
 
 
@@ -188,17 +203,27 @@ def all_gather(
     dim: int = 0,
     async_op: bool = False,
     tag: str = "",
+    out: torch.Tensor | None = None,
 ) -> Any:
-    """Concatenate every rank's ``tensor`` along ``dim`` (in group-rank order); a new tensor."""
+    """Concatenate every rank's ``tensor`` along ``dim`` (in group-rank order).
+
+    Returns a new tensor, or ``out`` when given (``dim=0`` only: a contiguous tensor of shape
+    ``(n * tensor.shape[0], *tensor.shape[1:])``), so callers can gather straight into storage
+    they own.
+    """
     _check_tensor("tensor", tensor)
     dim = _check_dim(tensor, dim)
+    if out is not None and dim != 0:
+        raise NotImplementedError(f"all_gather(out=...) supports dim=0 only, got dim={dim}")
     n = dist.get_world_size(group)
-    out, issue = _gather_stacked(tensor, group)
+    stacked, issue = _gather_stacked(tensor, group, out)
 
     def finish() -> torch.Tensor:
+        if out is not None:
+            return out
         if dim == 0:
-            return out.reshape(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else out
-        return torch.cat(out.unbind(0), dim=dim)
+            return stacked.reshape(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else stacked
+        return torch.cat(stacked.unbind(0), dim=dim)
 
     return _issue("all_gather", group, tensor, n * _nbytes(tensor), async_op, tag, issue, finish)
 
@@ -232,15 +257,22 @@ def reduce_scatter(
     dim: int = 0,
     async_op: bool = False,
     tag: str = "",
+    out: torch.Tensor | None = None,
 ) -> Any:
-    """Reduce ``tensor`` across the group and keep this rank's ``1/n`` slice along ``dim``."""
+    """Reduce ``tensor`` across the group and keep this rank's ``1/n`` slice along ``dim``.
+
+    Returns a new tensor, or ``out`` when given (``dim=0`` only: a contiguous tensor of shape
+    ``(tensor.shape[0] // n, *tensor.shape[1:])``).
+    """
     _check_tensor("tensor", tensor)
     dim = _check_dim(tensor, dim)
+    if out is not None and dim != 0:
+        raise NotImplementedError(f"reduce_scatter(out=...) supports dim=0 only, got dim={dim}")
     n = dist.get_world_size(group)
     _check_divisible(tensor, dim, n, "reduce_scatter")
     rop = _reduce_op(op)
     src = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=src.dtype, device=src.device)
+    out = _check_out(out, src, (src.shape[0] // n, *src.shape[1:]), "reduce_scatter")
     return _issue(
         "reduce_scatter",
         group,
@@ -249,7 +281,7 @@ def reduce_scatter(
         async_op,
         tag,
         lambda: _reduce_scatter_flat(out, src, op=rop, group=group, async_op=True),
-        lambda: out.movedim(0, dim),
+        lambda: out if dim == 0 else out.movedim(0, dim),
     )
 
 
