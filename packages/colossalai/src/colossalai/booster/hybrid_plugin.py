@@ -16,19 +16,12 @@ gathered to the dense tensors over the tp group on save and re-split on load
 (:class:`~colossalai.booster.hybrid_shards.ShardIndex`). Either way the checkpoint holds the
 original names and full logical shapes, so it loads into any other plugin or layout.
 
-[Note: sequence-parallel gradients]
-Each ``sp`` rank runs its ``T/sp`` tokens, the logits are all-gathered along the sequence and the
-user's criterion gives every ``sp`` rank the loss of the whole local batch. The gather's backward
-keeps each rank's own chunk, so a rank's gradients are its tokens' share of the full gradient: the
-full gradient is their *sum* over ``sp``. DDP over the ``dp x sp`` group *averages*, so the
-gradient entering the sequence model is multiplied by ``sp``: the average over ``dp x sp`` of
-``sp x share`` is the mean over ``dp`` of the full gradients, as plain data parallelism gives.
+See ``[Note: sequence-parallel gradients]`` in :mod:`colossalai.booster.hybrid_wrappers`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch import nn
@@ -37,70 +30,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.hybrid_shards import ShardIndex, TensorParallelOptimizer, multiplicity
+from colossalai.booster.hybrid_wrappers import (
+    SP_KINDS,
+    TP_MODES,
+    GatherLogits,
+    SequenceParallel,
+    check_layout,
+    gather_fn,
+)
 from colossalai.booster.hybrid_zero import HybridZeroOptimizer, load_zero_optimizer, zero_engine, zero_optimizer_state
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 
 __all__ = ["HybridParallelPlugin", "TensorParallelOptimizer"]
 
-TP_MODES = ("1d", "2d", "2.5d", "3d")
-SP_KINDS = ("ring", "all_to_all")
 ZERO_STAGES = (0, 1, 2)
-_GRID_POWER = {"2d": 2, "2.5d": 2, "3d": 3}
-
-
-def _check_layout(tp_size: int, tp_mode: str, tp_depth: int) -> None:
-    """``tp_size`` must be ``q^2`` (2D), ``q^2 * tp_depth`` (2.5D) or ``q^3`` (3D)."""
-    if tp_depth != 1 and tp_mode != "2.5d":
-        raise ValueError(f"tp_depth is the 2.5D depth; expected 1 for tp_mode={tp_mode!r}, got {tp_depth}")
-    if tp_mode not in _GRID_POWER:
-        return
-    power = _GRID_POWER[tp_mode]
-    q = round((tp_size / tp_depth) ** (1 / power)) if tp_size % tp_depth == 0 else 0
-    if q < 1 or q**power * tp_depth != tp_size:
-        need = {"2d": "q^2", "2.5d": "q^2 * tp_depth", "3d": "q^3"}[tp_mode]
-        raise ValueError(f"tp_mode={tp_mode!r} needs tp_size = {need}; got tp_size={tp_size}, tp_depth={tp_depth}")
-
-
-def _gather_fn(mode: str, target):
-    """The mode's differentiable gather of split logits into the full ``(B, T, V)``."""
-    import colossal.tensor_parallel as ctp
-
-    if mode == "1d":
-        return functools.partial(ctp.gather_output_1d, group=target)
-    if mode == "2d":
-        return functools.partial(ctp.gather_output_2d, grid=ctp.Grid2D.of(target))
-    if mode == "2.5d":
-        return functools.partial(ctp.gather_output_2p5d, grid=ctp.grid_2p5d(target))
-    return functools.partial(ctp.gather_output_3d, grid=ctp.Grid3D.of(target), orient="L1")  # LM head emits L1
-
-
-class _GatherLogits(nn.Module):
-    """Runs the tensor-parallel model and gathers its split logits into the full ``(B, T, V)``."""
-
-    def __init__(self, module: nn.Module, gather) -> None:
-        super().__init__()
-        self.module, self.gather = module, gather
-
-    def forward(self, *args, **kwargs):
-        return self.gather(self.module(*args, **kwargs))
-
-
-class _SequenceParallel(nn.Module):
-    """Splits ``(B, T)`` ids over ``sp``, runs the sequence-parallel model, gathers ``(B, T, V)``
-    logits; the gradient entering the model is scaled by ``sp`` (``[Note: sequence-parallel gradients]``)."""
-
-    def __init__(self, module: nn.Module, group, sp_size: int) -> None:
-        super().__init__()
-        self.module, self.group, self.sp_size = module, group, sp_size
-
-    def forward(self, idx: torch.Tensor, *args, **kwargs):
-        from colossal.tensor_parallel import gather_sequence, split_sequence
-
-        out = self.module(split_sequence(idx, self.group), *args, **kwargs)  # (B, T/sp, V)
-        if out.requires_grad:
-            out.register_hook(lambda g: g * self.sp_size)
-        return gather_sequence(out, self.group)  # (B, T, V)
+"""ZeRO stages the hybrid plugin supports (0 = DDP)."""
 
 
 class HybridParallelPlugin(Plugin):
@@ -140,7 +85,7 @@ class HybridParallelPlugin(Plugin):
             )
         if zero_stage not in ZERO_STAGES:
             raise NotImplementedError(f"HybridParallelPlugin supports zero_stage in {ZERO_STAGES}, got {zero_stage!r}")
-        _check_layout(tp_size, tp_mode, tp_depth)
+        check_layout(tp_size, tp_mode, tp_depth)
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
         self.sp_size, self.sp_kind, self.zero_stage = sp_size, sp_kind, zero_stage
         self._zero, self._zero_names = None, []  # ZeroOptimizer over dp (x sp), its index -> name
@@ -207,18 +152,18 @@ class HybridParallelPlugin(Plugin):
         if self.tp_mode != "1d":
             self._shards = ShardIndex(model, convert, mesh.group("tp"))  # from the dense model, before converting
         convert(model)
-        return _GatherLogits(model, _gather_fn(self.tp_mode, target)), mesh.group("dp")
+        return GatherLogits(model, gather_fn(self.tp_mode, target)), mesh.group("dp")
 
     def _sequence(self, model: nn.Module, mesh):
         from colossal.tensor_parallel import parallelize
 
         parallelize(model, "sequence", mesh.group("sp"), kind=self.sp_kind)
-        return _SequenceParallel(model, mesh.group("sp"), self.sp_size), mesh.product_group("dp", "sp")
+        return SequenceParallel(model, mesh.group("sp"), self.sp_size), mesh.product_group("dp", "sp")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The (tensor- or sequence-parallel) user module."""
         model = model.module if isinstance(model, DDP) else model
-        return model.module if isinstance(model, (_GatherLogits, _SequenceParallel)) else model
+        return model.module if isinstance(model, (GatherLogits, SequenceParallel)) else model
 
     def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
         """DDP's (or ZeRO's) ``no_sync`` over the dp (x sp) axis."""

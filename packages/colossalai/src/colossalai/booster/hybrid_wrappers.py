@@ -1,0 +1,84 @@
+"""How the hybrid plugin wraps a converted model so that the user's criterion runs unchanged:
+the split logits of a tensor-parallel model are gathered into the full ``(B, T, V)``
+(:class:`GatherLogits`), and a sequence-parallel model gets its chunk of the ids and gives back the
+full logits (:class:`SequenceParallel`). Plus the checks of the plugin's sizes.
+
+[Note: sequence-parallel gradients]
+Each ``sp`` rank runs its ``T/sp`` tokens, the logits are all-gathered along the sequence and the
+user's criterion gives every ``sp`` rank the loss of the whole local batch. The gather's backward
+keeps each rank's own chunk, so a rank's gradients are its tokens' share of the full gradient: the
+full gradient is their *sum* over ``sp``. DDP over the ``dp x sp`` group *averages*, so the
+gradient entering the sequence model is multiplied by ``sp``: the average over ``dp x sp`` of
+``sp x share`` is the mean over ``dp`` of the full gradients, as plain data parallelism gives.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+__all__ = ["TP_MODES", "SP_KINDS", "check_layout", "gather_fn", "GatherLogits", "SequenceParallel"]
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+"""Tensor-parallel modes the hybrid plugin supports."""
+SP_KINDS = ("ring", "all_to_all")
+"""Sequence-parallel attentions the hybrid plugin supports."""
+_GRID_POWER = {"2d": 2, "2.5d": 2, "3d": 3}
+
+
+def check_layout(tp_size: int, tp_mode: str, tp_depth: int) -> None:
+    """``tp_size`` must be ``q^2`` (2D), ``q^2 * tp_depth`` (2.5D) or ``q^3`` (3D)."""
+    if tp_depth != 1 and tp_mode != "2.5d":
+        raise ValueError(f"tp_depth is the 2.5D depth; expected 1 for tp_mode={tp_mode!r}, got {tp_depth}")
+    if tp_mode not in _GRID_POWER:
+        return
+    power = _GRID_POWER[tp_mode]
+    q = round((tp_size / tp_depth) ** (1 / power)) if tp_size % tp_depth == 0 else 0
+    if q < 1 or q**power * tp_depth != tp_size:
+        need = {"2d": "q^2", "2.5d": "q^2 * tp_depth", "3d": "q^3"}[tp_mode]
+        raise ValueError(f"tp_mode={tp_mode!r} needs tp_size = {need}; got tp_size={tp_size}, tp_depth={tp_depth}")
+
+
+def gather_fn(mode: str, target):
+    """The mode's differentiable gather of split logits into the full ``(B, T, V)``."""
+    import colossal.tensor_parallel as ctp
+
+    if mode == "1d":
+        return functools.partial(ctp.gather_output_1d, group=target)
+    if mode == "2d":
+        return functools.partial(ctp.gather_output_2d, grid=ctp.Grid2D.of(target))
+    if mode == "2.5d":
+        return functools.partial(ctp.gather_output_2p5d, grid=ctp.grid_2p5d(target))
+    return functools.partial(ctp.gather_output_3d, grid=ctp.Grid3D.of(target), orient="L1")  # LM head emits L1
+
+
+class GatherLogits(nn.Module):
+    """Runs the tensor-parallel model and gathers its split logits into the full ``(B, T, V)``."""
+
+    def __init__(self, module: nn.Module, gather) -> None:
+        super().__init__()
+        self.module, self.gather = module, gather
+
+    def forward(self, *args, **kwargs):
+        """The wrapped model's output, gathered."""
+        return self.gather(self.module(*args, **kwargs))
+
+
+class SequenceParallel(nn.Module):
+    """Splits ``(B, T)`` ids over ``sp``, runs the sequence-parallel model, gathers ``(B, T, V)``
+    logits; the gradient entering the model is scaled by ``sp`` (``[Note: sequence-parallel gradients]``)."""
+
+    def __init__(self, module: nn.Module, group, sp_size: int) -> None:
+        super().__init__()
+        self.module, self.group, self.sp_size = module, group, sp_size
+
+    def forward(self, idx: torch.Tensor, *args, **kwargs):
+        """``(B, T)`` ids -> ``(B, T, V)`` logits, every rank computing ``T/sp`` of the tokens."""
+        from colossal.tensor_parallel import gather_sequence, split_sequence
+
+        out = self.module(split_sequence(idx, self.group), *args, **kwargs)  # (B, T/sp, V)
+        if out.requires_grad:
+            out.register_hook(lambda g: g * self.sp_size)
+        return gather_sequence(out, self.group)  # (B, T, V)
