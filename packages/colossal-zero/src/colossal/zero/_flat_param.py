@@ -102,13 +102,23 @@ class FlatParam:
             p.data = full[off : off + n].view(shape)
         self.state = ShardedState.UNSHARDED
 
+    def alloc_full(self) -> torch.Tensor:
+        """Re-allocate the full buffer's storage (contents undefined) for a gather to fill in place."""
+        if self.state is not ShardedState.SHARDED:
+            raise RuntimeError(f"alloc_full from {self.state}, expected {ShardedState.SHARDED}")
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        return self.full
+
     def to_unsharded(self, gathered: torch.Tensor) -> None:
-        """Re-allocate the buffer's storage and fill it with the gathered ``(padded_numel,)`` values."""
+        """Make the buffer whole with the gathered ``(padded_numel,)`` values (no copy when the
+        gather already wrote into ``full``, see :meth:`alloc_full`)."""
         if self.state is ShardedState.UNSHARDED:
             raise RuntimeError(f"to_unsharded from {self.state}, expected {ShardedState.SHARDED}/GATHERING")
         storage = self.full.untyped_storage()
-        storage.resize_(self.padded_numel * self.full.element_size())
-        self.full.copy_(gathered)
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded_numel * self.full.element_size())
+        if gathered.data_ptr() != self.full.data_ptr():
+            self.full.copy_(gathered)
         self.state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:

@@ -91,8 +91,12 @@ class Stage3Engine:
         """Issue the all-gathers of every sharded buffer of ``unit`` (asynchronously)."""
         for i, flat in enumerate(unit.flats):
             if flat.state is ShardedState.SHARDED:
+                # Gather straight into the unit's own storage when dtypes agree (no extra buffer).
+                out = flat.alloc_full() if flat.shard.dtype == flat.full.dtype else None
                 with torch.profiler.record_function("colossal.zero::all_gather_params"):
-                    unit.pending[i] = all_gather(flat.shard, self.group, async_op=True, tag="zero.all_gather_params")
+                    unit.pending[i] = all_gather(
+                        flat.shard, self.group, async_op=True, tag="zero.all_gather_params", out=out
+                    )
                 flat.state = ShardedState.GATHERING
 
     def wait_unshard(self, unit: Unit) -> None:
