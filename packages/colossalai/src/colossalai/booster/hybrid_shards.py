@@ -45,7 +45,12 @@ class ShardIndex:
             convert(probe)
         self.group = group
         self.dense_shapes = {n: p.shape for n, p in dense.named_parameters(remove_duplicate=False)}
-        self.index = {n: p.detach().round().long() for n, p in probe.named_parameters(remove_duplicate=False)}
+        # int32 where it fits: the maps live as long as the model (one int per local element)
+        small = lambda n: self.dense_shapes[n].numel() < 2**31  # noqa: E731
+        self.index = {
+            n: p.detach().round().to(torch.int32 if small(n) else torch.int64)
+            for n, p in probe.named_parameters(remove_duplicate=False)
+        }
         del probe
 
     def __contains__(self, name: str) -> bool:
@@ -56,7 +61,7 @@ class ShardIndex:
         from colossal.comm import all_gather
 
         values = all_gather(local.detach().reshape(-1).contiguous(), self.group)
-        index = all_gather(self.index[name].reshape(-1).to(local.device), self.group)
+        index = all_gather(self.index[name].reshape(-1).to(local.device), self.group).long()
         dense = torch.empty(self.dense_shapes[name].numel(), dtype=local.dtype, device=local.device)
         dense[index] = values
         return dense.view(self.dense_shapes[name])
@@ -67,7 +72,7 @@ class ShardIndex:
         if tuple(dense.shape) != tuple(shape):
             raise ValueError(f"state {name!r}: expected the dense shape {tuple(shape)}, got {tuple(dense.shape)}")
         index = self.index[name]
-        return dense.reshape(-1).to(index.device).take(index)
+        return dense.reshape(-1).to(index.device).take(index.long())
 
     def replicas(self, name: str, local: torch.Tensor) -> int:
         """:func:`multiplicity` of parameter ``name`` over the tp group."""
