@@ -87,10 +87,15 @@ def _resume(kwargs, root):
     return boosted_losses(booster, model, optim, loader, TOTAL, start=state.step)
 
 
-MATRIX = [((4, dict(tp_size=2, zero_stage=2)), (1, {})), ((2, {}), (4, dict(tp_size=1, sp_size=2, zero_stage=1)))]
+MATRIX = [
+    ((4, dict(tp_size=2, zero_stage=2)), (1, {})),
+    ((2, {}), (4, dict(tp_size=1, sp_size=2, zero_stage=1))),
+    ((8, dict(tp_size=4, tp_mode="2d", zero_stage=1)), (2, {})),
+]
+IDS = ["dp2xtp2-zero2-to-ddp1", "ddp2-to-dp2xsp2-zero1", "dp2x2d4-zero1-to-ddp2"]
 
 
-@pytest.mark.parametrize("save,load", MATRIX, ids=["dp2xtp2-zero2-to-ddp1", "ddp2-to-dp2xsp2-zero1"])
+@pytest.mark.parametrize("save,load", MATRIX, ids=IDS)
 def test_hybrid_zero_resume_across_plugins(tmp_path, save, load):
     before = run_distributed(_train_and_save, save[0], save[1], str(tmp_path), timeout=120)[0]
     after = run_distributed(_resume, load[0], load[1], str(tmp_path), timeout=120)[0]
