@@ -79,7 +79,14 @@ def test_resume_under_fsdp_on_two_processes(first_run):
     assert "fsdp x 2 process(es)" in resumed
 
 
-@pytest.mark.parametrize("plugin", [["zero", "--zero-stage", "3"], ["gemini", "--device-budget", "8MiB"]])
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        ["zero", "--zero-stage", "3"],
+        ["gemini", "--device-budget", "8MiB"],
+        ["hybrid", "--sp-size", "2", "--sp-kind", "all_to_all"],  # sample through padded windows
+    ],
+)
 def test_train_with_component_plugins_on_two_processes(plugin, tmp_path):
     out = _cli(*TRAIN, "--steps", "3", "--nproc", "2", "--plugin", *plugin, "--save-dir", str(tmp_path))
     assert sorted(_losses(out)) == [1, 2, 3] and f"{plugin[0]} x 2 process(es)" in out
@@ -125,3 +132,8 @@ def test_bad_options_fail_clearly(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--plugin", "nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_train_with_2d_tensor_parallel_on_four_processes(tmp_path):
+    out = _cli(*TRAIN, "--steps", "2", "--nproc", "4", "--plugin", "hybrid", "--tp-mode", "2d", "--tp-size", "4")
+    assert sorted(_losses(out)) == [1, 2] and "hybrid x 4 process(es)" in out and "sample:" in out

@@ -34,7 +34,13 @@ def _plugin(args: argparse.Namespace):
     own = {
         "gemini": dict(placement=args.placement, device_memory_budget=budget),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
-        "hybrid": dict(tp_size=args.tp_size),
+        "hybrid": dict(
+            tp_size=args.tp_size if args.tp_size is not None else (2 if args.sp_size == 1 else 1),
+            tp_mode=args.tp_mode,
+            tp_depth=args.tp_depth,
+            sp_size=args.sp_size,
+            sp_kind=args.sp_kind,
+        ),
     }
     foreign = {"--device-budget": budget is not None, "--offload": args.offload, "--zero-stage": args.zero_stage != 2}
     owner = {"--device-budget": "gemini", "--offload": "zero", "--zero-stage": "zero"}
@@ -177,15 +183,36 @@ def _loop(args, booster, model, optim, loader, sched, state, seq_len, rank):
     return meters, first, last
 
 
-def _sample(model, n_tokens: int, seed: int) -> str:
+def _padded_forward(model, multiple: int, block_size: int):
+    """``model`` on windows right-padded to a multiple of ``multiple`` tokens (sequence
+    parallelism splits the sequence evenly). The model is causal, so padding on the right leaves
+    the logits of the real positions unchanged; they are cut back out."""
+    usable = block_size // multiple * multiple
+
+    def forward(window: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        window = window[:, -usable:]
+        t = window.shape[1]
+        padded = F.pad(window, (0, -t % multiple))  # (B, ceil(T / m) * m)
+        return model(padded)[:, :t]
+
+    return forward
+
+
+def _sample(model, n_tokens: int, seed: int, rows: int = 1, seq_multiple: int = 1) -> str:
     """A sampled continuation of a Python prompt through the boosted model (full logits on every
-    rank; the same seed everywhere keeps the ranks in step, which sharded models need)."""
+    rank; the same seed everywhere keeps the ranks in step, which sharded models need).
+
+    ``rows`` copies of the prompt are sampled and the first is returned: 2D/2.5D/3D tensor
+    parallelism splits the batch over the grid, so it needs a batch divisible by it; sequence
+    parallelism needs windows whose length is a multiple of ``seq_multiple``.
+    """
     gpt = model.unwrap()
     gpt.eval()
-    prompt = encode("def ").view(1, -1).to(model.device)
+    prompt = encode("def ").view(1, -1).repeat(rows, 1).to(model.device)  # (rows, T0)
     gen = torch.Generator().manual_seed(seed)
+    forward = _padded_forward(model, seq_multiple, gpt.config.block_size) if seq_multiple > 1 else model
     with torch.no_grad():
-        out = gpt.generate(prompt, n_tokens, temperature=0.8, top_k=20, generator=gen, forward=model)
+        out = gpt.generate(prompt, n_tokens, temperature=0.8, top_k=20, generator=gen, forward=forward)
     gpt.train()
     return decode(out[0].cpu())
 
@@ -203,7 +230,9 @@ def train(args: argparse.Namespace) -> dict:
         booster.save_run(args.save_dir, model, optim, sched, state=state)
     if args.export:
         booster.export_safetensors(model, args.export)
-    sample = _sample(model, args.sample_tokens, args.seed) if args.sample_tokens > 0 else ""
+    tp = getattr(booster.plugin, "tp_size", 1)  # a batch divisible by every TP grid's batch split
+    sp = getattr(booster.plugin, "sp_size", 1)
+    sample = _sample(model, args.sample_tokens, args.seed, tp, sp) if args.sample_tokens > 0 else ""
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
         "model": f"GPT {args.preset}: {model.unwrap().config.num_parameters():,} parameters",

@@ -28,7 +28,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-budget", type=str, default=None, help="device memory budget, e.g. 2GiB (gemini)")
     p.add_argument("--placement", default="auto", choices=["auto", "static"], help="gemini chunk placement")
     p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (zero)")
-    p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (hybrid)")
+    p.add_argument(
+        "--tp-size", type=int, default=None, help="tensor-parallel degree (hybrid; default 2, 1 with --sp-size)"
+    )
+    p.add_argument("--tp-mode", default="1d", choices=["1d", "2d", "2.5d", "3d"], help="tensor-parallel mode (hybrid)")
+    p.add_argument("--tp-depth", type=int, default=1, help="2.5D depth d (hybrid, --tp-mode 2.5d)")
+    p.add_argument("--sp-size", type=int, default=1, help="sequence-parallel degree (hybrid)")
+    p.add_argument("--sp-kind", default="ring", choices=["ring", "all_to_all"], help="sequence-parallel attention")
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer states on the CPU (zero)")
     p.add_argument("--save-dir", default=None, help="checkpoint root (step-N folders + 'latest')")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
