@@ -86,7 +86,7 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree, plus the import-arrow check."""
-    session.install("ruff==0.17.5", "pytest>=8")  # pinned: formatting rules change between releases
+    session.install("ruff==0.17.6", "pytest>=8")  # pinned: formatting rules change between releases
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", str(ROOT / "tools" / "check_arrows.py"))
