@@ -71,3 +71,15 @@ def test_scripted_sequence_is_recorded_exactly():
     assert o["async"] == [False, False, False, True, False, False]
     assert o["tags"]["g"] == n * 24 and o["ranks"] == (0, 1, 2, 3) and o["numel"] == 3 * n
     assert o["ordered"] and o["after"] is False
+
+
+def test_observer_registries_are_independent():
+    a, b, seen = cc.ObserverRegistry(), cc.ObserverRegistry(), []
+    handle = a.register(seen.append)
+    assert a.has_observers() and not b.has_observers() and not cc.has_observers()
+    a.emit("x")
+    b.emit("y")
+    handle.remove()
+    handle.remove()  # idempotent
+    a.emit("z")
+    assert seen == ["x"] and not a.has_observers()

@@ -20,7 +20,15 @@ from colossal.comm.collectives import (
     ring_exchange,
     send,
 )
-from colossal.comm.events import CommCounter, CommEvent, ObserverHandle, bus_factor, has_observers, register_observer
+from colossal.comm.events import (
+    CommCounter,
+    CommEvent,
+    ObserverHandle,
+    ObserverRegistry,
+    bus_factor,
+    has_observers,
+    register_observer,
+)
 from colossal.comm.functional import (
     all_gather_along_dim,
     all_to_all_along_dims,
@@ -45,6 +53,7 @@ __all__ = [
     "Layout3D",
     "Mesh",
     "ObserverHandle",
+    "ObserverRegistry",
     "P2POp",
     "all_gather",
     "all_gather_along_dim",

@@ -24,6 +24,7 @@ import dataclasses
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ __all__ = [
     "CommEvent",
     "CommCounter",
     "ObserverHandle",
+    "ObserverRegistry",
     "bus_factor",
     "register_observer",
     "has_observers",
@@ -95,21 +97,52 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown communication op {op!r}")
 
 
-_OBSERVERS: list[Callable[[CommEvent], None]] = []
-_LOCK = threading.Lock()
+class ObserverRegistry:
+    """A set of observers (plain callables) to deliver events to.
+
+    ``colossal.comm`` keeps one for its :class:`CommEvent`; ZeRO and Gemini keep one each for
+    their memory events, so the mechanism exists once. Hot paths test :meth:`has_observers`
+    before building an event: with nobody listening the cost is one branch.
+    """
+
+    def __init__(self) -> None:
+        self._observers: list[Callable[[Any], None]] = []
+        self._lock = threading.Lock()
+
+    def register(self, fn: Callable[[Any], None]) -> ObserverHandle:
+        """Deliver every future event to ``fn`` until the returned handle is removed."""
+        if not callable(fn):
+            raise TypeError(f"observer must be callable, got {type(fn).__name__}")
+        with self._lock:
+            self._observers.append(fn)
+        return ObserverHandle(self, fn)
+
+    def unregister(self, fn: Callable[[Any], None]) -> None:
+        """Stop delivering events to ``fn`` (idempotent)."""
+        with self._lock:
+            if fn in self._observers:
+                self._observers.remove(fn)
+
+    def has_observers(self) -> bool:
+        """True when at least one observer is registered."""
+        return bool(self._observers)
+
+    def emit(self, event: Any) -> None:
+        """Deliver ``event`` to every observer (a snapshot, so observers may unregister)."""
+        for fn in tuple(self._observers):
+            fn(event)
 
 
 class ObserverHandle:
-    """Returned by :func:`register_observer`; ``remove()`` (or leaving the ``with``) unregisters."""
+    """Returned by ``register_observer``; ``remove()`` (or leaving the ``with``) unregisters."""
 
-    def __init__(self, fn: Callable[[CommEvent], None]):
+    def __init__(self, registry: ObserverRegistry, fn: Callable[[Any], None]):
+        self._registry = registry
         self._fn = fn
 
     def remove(self) -> None:
         """Stop delivering events to the observer (idempotent)."""
-        with _LOCK:
-            if self._fn in _OBSERVERS:
-                _OBSERVERS.remove(self._fn)
+        self._registry.unregister(self._fn)
 
     def __enter__(self) -> ObserverHandle:
         return self
@@ -118,24 +151,22 @@ class ObserverHandle:
         self.remove()
 
 
+_COMM_OBSERVERS = ObserverRegistry()
+
+
 def register_observer(fn: Callable[[CommEvent], None]) -> ObserverHandle:
     """Deliver every future :class:`CommEvent` of this process to ``fn``."""
-    if not callable(fn):
-        raise TypeError(f"observer must be callable, got {type(fn).__name__}")
-    with _LOCK:
-        _OBSERVERS.append(fn)
-    return ObserverHandle(fn)
+    return _COMM_OBSERVERS.register(fn)
 
 
 def has_observers() -> bool:
-    """True when at least one observer is registered (the one branch on the hot path)."""
-    return bool(_OBSERVERS)
+    """True when at least one comm observer is registered (the one branch on the hot path)."""
+    return bool(_COMM_OBSERVERS._observers)
 
 
 def emit(event: CommEvent) -> None:
-    """Deliver ``event`` to every observer (a snapshot, so observers may unregister)."""
-    for fn in tuple(_OBSERVERS):
-        fn(event)
+    """Deliver ``event`` to every comm observer."""
+    _COMM_OBSERVERS.emit(event)
 
 
 class CommCounter:

@@ -1,18 +1,20 @@
 """Memory events of Gemini: chunk moves between tiers and memory samples, published to observers.
 
 The event shapes are the cross-package contract read (duck-typed) by ``colossal-profiler``.
-With no observer registered, publishing costs one branch (``if _OBSERVERS``).
+With no observer registered, publishing costs one branch (``if events.has_observers()``); the
+registry is a ``colossal.comm.ObserverRegistry``, the same mechanism as ZeRO's and comm's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from colossal.comm import ObserverHandle, ObserverRegistry
 
 __all__ = ["ChunkMoveEvent", "MemorySample", "ObserverHandle", "register_observer", "has_observers", "emit", "label"]
 
@@ -57,47 +59,22 @@ class MemorySample:
     """Operator or phase the sample was taken at (e.g. ``"fwd:blocks.0.attn.q_proj"``)."""
 
 
-_OBSERVERS: list[Callable[[Any], None]] = []
-_LOCK = threading.Lock()
-
-
-class ObserverHandle:
-    """Returned by :func:`register_observer`; ``remove()`` (or leaving the ``with``) unregisters."""
-
-    def __init__(self, fn: Callable[[Any], None]):
-        self._fn = fn
-
-    def remove(self) -> None:
-        """Stop delivering events to the observer (idempotent)."""
-        with _LOCK:
-            if self._fn in _OBSERVERS:
-                _OBSERVERS.remove(self._fn)
-
-    def __enter__(self) -> ObserverHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
+_REGISTRY = ObserverRegistry()
 
 
 def register_observer(fn: Callable[[Any], None]) -> ObserverHandle:
     """Deliver every :class:`ChunkMoveEvent` and :class:`MemorySample` to ``fn`` until removed."""
-    if not callable(fn):
-        raise TypeError(f"observer must be callable, got {type(fn).__name__}")
-    with _LOCK:
-        _OBSERVERS.append(fn)
-    return ObserverHandle(fn)
+    return _REGISTRY.register(fn)
 
 
 def has_observers() -> bool:
     """True when at least one observer is registered."""
-    return bool(_OBSERVERS)
+    return _REGISTRY.has_observers()
 
 
 def emit(event: Any) -> None:
     """Deliver ``event`` to every observer."""
-    for fn in list(_OBSERVERS):
-        fn(event)
+    _REGISTRY.emit(event)
 
 
 def label(phase: str):

@@ -1,4 +1,4 @@
-"""Memory events of colossal.zero: a small observer registry (the same shape as colossal.gemini's).
+"""Memory events of colossal.zero: an observer registry (``colossal.comm.ObserverRegistry``, as Gemini's).
 
 The profiler (or a test) registers a callable and receives frozen dataclasses with a ``kind``.
 """
@@ -6,9 +6,10 @@ The profiler (or a test) registers a callable and receives frozen dataclasses wi
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from colossal.comm import ObserverHandle, ObserverRegistry
 
 __all__ = ["ChunkMoveEvent", "MemorySample", "ObserverHandle", "register_observer", "emit", "has_observers"]
 
@@ -53,44 +54,19 @@ class MemorySample:
     """Where in the step the sample was taken (e.g. ``"zero.step"``)."""
 
 
-_OBSERVERS: list[Callable[[Any], None]] = []
-_LOCK = threading.Lock()
-
-
-class ObserverHandle:
-    """Returned by :func:`register_observer`; ``remove()`` unregisters (idempotent)."""
-
-    def __init__(self, fn: Callable[[Any], None]):
-        self._fn = fn
-
-    def remove(self) -> None:
-        """Stop delivering events to the observer."""
-        with _LOCK:
-            if self._fn in _OBSERVERS:
-                _OBSERVERS.remove(self._fn)
-
-    def __enter__(self) -> ObserverHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
+_REGISTRY = ObserverRegistry()
 
 
 def register_observer(fn: Callable[[Any], None]) -> ObserverHandle:
     """Deliver every future :class:`MemorySample` / :class:`ChunkMoveEvent` of this process to ``fn``."""
-    if not callable(fn):
-        raise TypeError(f"observer must be callable, got {type(fn).__name__}")
-    with _LOCK:
-        _OBSERVERS.append(fn)
-    return ObserverHandle(fn)
+    return _REGISTRY.register(fn)
 
 
 def has_observers() -> bool:
     """True when at least one observer is registered."""
-    return bool(_OBSERVERS)
+    return _REGISTRY.has_observers()
 
 
 def emit(event: Any) -> None:
     """Deliver ``event`` to every observer."""
-    for fn in tuple(_OBSERVERS):
-        fn(event)
+    _REGISTRY.emit(event)
