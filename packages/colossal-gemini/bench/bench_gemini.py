@@ -30,8 +30,8 @@ import time
 import torch
 
 HERE = pathlib.Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from bench_gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+sys.path.insert(0, str(HERE.parent / "tests"))  # the contract GPT the tests use (colossalai is not a dependency)
+from gemini_gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
 def _cfg(width: int, layers: int) -> GPTConfig:
@@ -207,6 +207,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.steps < 3:
+        p.error(f"--steps must be at least 3 (the first 2 are warm-up and not timed), got {args.steps}")
     if args.worker:
         return _worker(args)
     budget = int(args.budget_mib * 2**20)
