@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer
+from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import BoostedOptimizer
 
@@ -126,7 +126,7 @@ class GeminiPlugin(Plugin):
         """Gemini's name-keyed optimizer state in the ``torch.distributed.checkpoint`` layout."""
         from colossal.gemini import checkpoint as gemini_checkpoint
 
-        self._init_state()
+        materialize_optimizer_state(self.engine.optim)
         sd = gemini_checkpoint.optimizer_state_dict(self.engine)
         groups = [{**g, "params": names} for g, names in zip(sd["param_groups"], self._group_names, strict=True)]
         return {"state": sd["state"], "param_groups": groups}
@@ -138,23 +138,6 @@ class GeminiPlugin(Plugin):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
         sd = {"state": state["state"], "param_groups": groups, "loss_scaler": self.engine.scaler.state_dict()}
         gemini_checkpoint.load_optimizer_state_dict(self.engine, sd)
-
-    @torch.no_grad()
-    def _init_state(self) -> None:
-        """Zero-gradient, zero-lr step of the inner optimizer so its state exists (values unchanged)."""
-        inner = self.engine.optim
-        if inner.state:
-            return
-        lrs = [g["lr"] for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"] = 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        for g, lr in zip(inner.param_groups, lrs, strict=True):
-            g["lr"] = lr
-            for p in g["params"]:
-                p.grad = None
 
     def __repr__(self) -> str:
         return f"GeminiPlugin(placement={self.placement!r}, device_memory_budget={self.budget})"

@@ -38,9 +38,10 @@ from colossalai.booster.hybrid_wrappers import (
     check_layout,
     gather_fn,
 )
-from colossalai.booster.hybrid_zero import HybridZeroOptimizer, load_zero_optimizer, zero_engine, zero_optimizer_state
+from colossalai.booster.hybrid_zero import HybridZeroOptimizer, zero_engine
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
+from colossalai.booster.zero_plugin import load_zero_optimizer, zero_optimizer_state
 
 __all__ = ["HybridParallelPlugin", "TensorParallelOptimizer"]
 

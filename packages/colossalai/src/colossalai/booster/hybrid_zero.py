@@ -12,7 +12,7 @@ import torch
 
 from colossalai.booster.zero_plugin import ZeroBoostedOptimizer
 
-__all__ = ["HybridZeroOptimizer", "zero_engine", "zero_optimizer_state", "load_zero_optimizer"]
+__all__ = ["HybridZeroOptimizer", "zero_engine"]
 
 
 class HybridZeroOptimizer(ZeroBoostedOptimizer):
@@ -44,34 +44,3 @@ def zero_engine(model, optimizer, stage: int, group):
     names = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
     with torch.profiler.record_function("colossalai.booster::hybrid_zero_wrap"):
         return ZeroOptimizer(optimizer, model, stage=stage, group=group, param_dtype=torch.float32), names
-
-
-def zero_optimizer_state(engine, names: list[str]) -> dict:
-    """ZeRO's gathered optimizer state re-keyed from indices to parameter ``names``."""
-    if not engine.optimizer.state:
-        _init_state(engine.optimizer)
-    sd = engine.state_dict()
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
-
-
-def load_zero_optimizer(engine, names: list[str], state: dict) -> None:
-    """Inverse of :func:`zero_optimizer_state`."""
-    index = {n: i for i, n in enumerate(names)}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-    engine.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
-
-
-@torch.no_grad()
-def _init_state(inner: torch.optim.Optimizer) -> None:
-    """A zero-gradient, zero-lr step: a never-stepped optimizer gets the state DCP reads into."""
-    lrs = [g["lr"] for g in inner.param_groups]
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            p.grad = torch.zeros_like(p)
-    inner.step()
-    for g, lr in zip(inner.param_groups, lrs, strict=True):
-        g["lr"] = lr
-        for p in g["params"]:
-            p.grad = None

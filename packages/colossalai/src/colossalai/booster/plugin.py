@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from colossalai.booster.precision import Precision
 from colossalai.data.dataset import ResumableDistributedSampler
 
-__all__ = ["Plugin", "world_size", "world_rank", "param_names", "rebind_optimizer"]
+__all__ = ["Plugin", "world_size", "world_rank", "param_names", "rebind_optimizer", "materialize_optimizer_state"]
 
 
 def world_size() -> int:
@@ -139,3 +139,21 @@ class Plugin(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+@torch.no_grad()
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a never-stepped optimizer its state tensors with a zero-gradient, zero-lr step, so
+    that ``torch.distributed.checkpoint`` knows what to load into; parameters do not change."""
+    if optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+        for p in g["params"]:
+            p.grad = None

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer
+from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import BoostedOptimizer
 
-__all__ = ["ZeroPlugin", "ZeroBoostedOptimizer"]
+__all__ = ["ZeroPlugin", "ZeroBoostedOptimizer", "zero_optimizer_state", "load_zero_optimizer"]
 
 
 class ZeroBoostedOptimizer(BoostedOptimizer):
@@ -119,36 +119,26 @@ class ZeroPlugin(Plugin):
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """ZeRO's gathered optimizer state re-keyed from indices to parameter names."""
-        self._init_state()
-        sd = self.engine.state_dict()
-        state = {self._index_names[i]: v for i, v in sd["state"].items()}
-        groups = [{**g, "params": [self._index_names[i] for i in g["params"]]} for g in sd["param_groups"]]
-        return {"state": state, "param_groups": groups}
+        return zero_optimizer_state(self.engine, self._index_names)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
         """Inverse of :meth:`optimizer_state_dict` (the loss scaler travels in the run state)."""
-        index = {n: i for i, n in enumerate(self._index_names)}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-        sd = {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}
-        self.engine.load_state_dict(sd)
-
-    @torch.no_grad()
-    def _init_state(self) -> None:
-        """Give a never-stepped optimizer its state tensors (a zero-gradient, zero-lr step), so that
-        DCP knows what to read into; the parameters do not change."""
-        inner = self.engine.optimizer
-        if inner.state:
-            return
-        lrs = [g["lr"] for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"] = 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()
-        for g, lr in zip(inner.param_groups, lrs, strict=True):
-            g["lr"] = lr
-            for p in g["params"]:
-                p.grad = None
+        load_zero_optimizer(self.engine, self._index_names, state)
 
     def __repr__(self) -> str:
         return f"ZeroPlugin(stage={self.stage}, offload={self.offload})"
+
+
+def zero_optimizer_state(engine, names: list[str]) -> dict:
+    """ZeRO's gathered optimizer state re-keyed from parameter indices to ``names``."""
+    materialize_optimizer_state(engine.optimizer)
+    sd = engine.state_dict()
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+
+
+def load_zero_optimizer(engine, names: list[str], state: dict) -> None:
+    """Inverse of :func:`zero_optimizer_state`."""
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+    engine.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
