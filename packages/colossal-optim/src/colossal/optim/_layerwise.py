@@ -21,7 +21,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["LayerwiseOptimizer", "check_grad", "trust_ratio", "sq_norms", "by_device_dtype"]
+__all__ = [
+    "LayerwiseOptimizer",
+    "check_grad",
+    "check_adam_hyperparameters",
+    "trust_ratio",
+    "sq_norms",
+    "by_device_dtype",
+]
 
 NormReducer = Callable[[Tensor], Tensor]
 
@@ -109,3 +116,15 @@ class LayerwiseOptimizer(Optimizer):
                 offset += 2 * n
                 self._apply(group, params, xs, w_sq, x_sq)
         return loss
+
+
+def check_adam_hyperparameters(lr: float, betas, eps: float, weight_decay: float) -> None:
+    """The ``ValueError`` checks shared by the Adam-family optimizers (Adam, LAMB)."""
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")

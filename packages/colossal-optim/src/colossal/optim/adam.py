@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._flat import FlatSpace, flattenable
-from ._layerwise import check_grad
+from ._layerwise import check_adam_hyperparameters, check_grad
 
 __all__ = ["CPUAdam", "HybridAdam"]
 
@@ -60,14 +60,7 @@ class CPUAdam(Optimizer):
         master_weights: bool = False,
         flatten: bool = True,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
             bias_correction=bias_correction, master_weights=master_weights,

@@ -25,7 +25,15 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ._layerwise import LayerwiseOptimizer, NormReducer, by_device_dtype, check_grad, sq_norms, trust_ratio
+from ._layerwise import (
+    LayerwiseOptimizer,
+    NormReducer,
+    by_device_dtype,
+    check_adam_hyperparameters,
+    check_grad,
+    sq_norms,
+    trust_ratio,
+)
 
 __all__ = ["Lamb"]
 
@@ -65,14 +73,7 @@ class Lamb(LayerwiseOptimizer):
         trust_ratio: bool = True,
         norm_reducer: NormReducer | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             adam=adam, trust_ratio=trust_ratio,
