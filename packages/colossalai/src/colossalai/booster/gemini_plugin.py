@@ -15,7 +15,7 @@ from torch import nn
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
-from colossalai.booster.wrappers import BoostedOptimizer
+from colossalai.booster.wrappers import EngineBoostedOptimizer
 
 __all__ = ["GeminiPlugin", "GeminiBoostedOptimizer", "CPU_DEFAULT_BUDGET"]
 
@@ -23,32 +23,15 @@ CPU_DEFAULT_BUDGET = 1 << 30
 """Device budget used on CPU-only machines when none is given (1 GiB; Gemini enforces it by accounting)."""
 
 
-class GeminiBoostedOptimizer(BoostedOptimizer):
+class GeminiBoostedOptimizer(EngineBoostedOptimizer):
     """The Booster's view of a ``GeminiOptimizer`` (it scales, checks overflow and clips itself)."""
 
     def __init__(self, gemini_optim) -> None:
-        super().__init__(gemini_optim.optim, scaler=gemini_optim.scaler, params=[])
-        self.engine = gemini_optim
-
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """Scaled backward through Gemini's chunk hooks."""
-        self.engine.backward(loss)
+        super().__init__(gemini_optim, gemini_optim.optim)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
         """Clip inside the next ``step()`` over every rank's chunk shards; returns None."""
         self.engine.max_grad_norm, self.engine.norm_type = float(max_norm), float(norm_type)
-
-    def step(self, *args, **kwargs) -> None:
-        """One Gemini step (skipped on overflow)."""
-        self.last_step_skipped = not self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop accumulated gradients."""
-        self.engine.zero_grad(set_to_none)
-
-    def unwrap(self):
-        """The ``GeminiOptimizer``."""
-        return self.engine
 
 
 class GeminiPlugin(Plugin):

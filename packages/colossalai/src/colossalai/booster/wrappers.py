@@ -10,7 +10,7 @@ from torch import nn
 
 from colossalai.booster.precision import Precision
 
-__all__ = ["BoostedModel", "BoostedOptimizer"]
+__all__ = ["BoostedModel", "BoostedOptimizer", "EngineBoostedOptimizer"]
 
 
 class BoostedModel(nn.Module):
@@ -108,3 +108,28 @@ class BoostedOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """Load the wrapped optimizer's state dict."""
         self.optim.load_state_dict(state)
+
+
+class EngineBoostedOptimizer(BoostedOptimizer):
+    """The Booster's view of a sharding engine's optimizer (ZeRO, Gemini): the engine scales the
+    loss, checks overflow, clips and steps itself, so every call is delegated to it."""
+
+    def __init__(self, engine, inner: torch.optim.Optimizer) -> None:
+        super().__init__(inner, scaler=engine.scaler, params=[])
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """Scaled backward through the engine's hooks."""
+        self.engine.backward(loss)
+
+    def step(self, *args, **kwargs) -> None:
+        """One engine step (skipped on every rank when a gradient overflowed)."""
+        self.last_step_skipped = not self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients."""
+        self.engine.zero_grad(set_to_none)
+
+    def unwrap(self):
+        """The engine (``ZeroOptimizer`` / ``GeminiOptimizer``)."""
+        return self.engine

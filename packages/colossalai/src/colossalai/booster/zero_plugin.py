@@ -20,21 +20,16 @@ from torch import nn
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
-from colossalai.booster.wrappers import BoostedOptimizer
+from colossalai.booster.wrappers import EngineBoostedOptimizer
 
 __all__ = ["ZeroPlugin", "ZeroBoostedOptimizer", "zero_optimizer_state", "load_zero_optimizer"]
 
 
-class ZeroBoostedOptimizer(BoostedOptimizer):
+class ZeroBoostedOptimizer(EngineBoostedOptimizer):
     """The Booster's view of a ``ZeroOptimizer``: it scales, unscales, checks overflow and clips itself."""
 
     def __init__(self, zero) -> None:
-        super().__init__(zero.optimizer, scaler=zero.scaler, params=[])
-        self.engine = zero
-
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()`` scaled by ZeRO's loss scaler (fp16)."""
-        self.engine.backward(loss)
+        super().__init__(zero, zero.optimizer)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
         """Clip inside the next ``step()`` (the norm spans every rank's shards); returns None —
@@ -42,18 +37,6 @@ class ZeroBoostedOptimizer(BoostedOptimizer):
         if norm_type != 2.0:
             raise NotImplementedError(f"ZeroPlugin clips the 2-norm only, got norm_type={norm_type}")
         self.engine.config.max_grad_norm = float(max_norm)
-
-    def step(self, *args, **kwargs) -> None:
-        """One ZeRO step (skipped, everywhere, when a gradient overflowed)."""
-        self.last_step_skipped = not self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget accumulated gradients."""
-        self.engine.zero_grad(set_to_none)
-
-    def unwrap(self):
-        """The ``ZeroOptimizer`` engine."""
-        return self.engine
 
 
 class ZeroPlugin(Plugin):
