@@ -8,6 +8,13 @@ and ``os.replace``). A crash at any moment therefore leaves either the old ``lat
 a complete older checkpoint, or the new one complete; stale ``.partial`` directories are removed by
 the next save (one save at a time per root). The root must be on a file system every rank sees
 (one host, or a shared mount).
+
+Saving again under an existing name cannot swap two directories in one POSIX rename: the old one
+is first renamed to ``<root>/.<name>.old``, then the new one into place. A crash between the two
+renames leaves ``latest`` naming a missing directory next to its complete ``.old``:
+:func:`read_latest` then returns the ``.old`` directory, and the next save renames it back before
+it starts (``_recover``). ``tests/test_colossalai_checkpoint_crash.py`` kills a saving process with
+SIGKILL at each of these points and loads what is left.
 """
 
 from __future__ import annotations
@@ -34,12 +41,30 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _old(final: pathlib.Path) -> pathlib.Path:
+    """Where a published checkpoint waits while a new one of the same name replaces it."""
+    return final.with_name(f".{final.name}.old")
+
+
+def _recover(root: pathlib.Path) -> None:
+    """Undo what an interrupted save left (rank 0): drop partial directories, put back an old
+    checkpoint whose replacement never arrived, drop one whose replacement did."""
+    for stale in root.glob(".*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in root.glob(".*.old"):
+        final = root / old.name[1 : -len(".old")]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+
+
 def _commit(partial: pathlib.Path, final: pathlib.Path) -> None:
     """Move a complete checkpoint into place and point ``latest`` at it (rank 0 only)."""
     if final.exists():
-        trash = final.with_name(f".{final.name}.old")
+        trash = _old(final)
         shutil.rmtree(trash, ignore_errors=True)
-        os.replace(final, trash)
+        os.replace(final, trash)  # a crash from here to the next line: see the module note
         os.replace(partial, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:
@@ -62,8 +87,7 @@ def atomic_checkpoint_dir(root: str | os.PathLike, name: str):
     partial = root / f".{name}.partial"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".*.partial"):  # left by an interrupted save
-            shutil.rmtree(stale, ignore_errors=True)
+        _recover(root)  # what an interrupted save left
         partial.mkdir()
     _barrier()
     yield partial
@@ -74,12 +98,16 @@ def atomic_checkpoint_dir(root: str | os.PathLike, name: str):
 
 
 def read_latest(root: str | os.PathLike) -> pathlib.Path | None:
-    """The newest complete checkpoint under ``root`` (via ``latest``), or None."""
+    """The newest complete checkpoint under ``root`` (via ``latest``), or None. When a save under
+    the same name was interrupted mid-swap, that is the ``.old`` directory (module note)."""
     pointer = pathlib.Path(root) / LATEST
     if not pointer.is_file():
         return None
     path = pathlib.Path(root) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    for candidate in (path, _old(path)):
+        if candidate.is_dir():
+            return candidate
+    return None
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> pathlib.Path:
