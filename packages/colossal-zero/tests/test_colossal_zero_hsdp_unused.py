@@ -19,15 +19,21 @@ STEPS = 3
 def hsdp_cases():
     mesh = Mesh(axes={"rep": 2, "shard": 2})
     groups = dict(group=mesh.group("shard"), replicate_group=mesh.group("rep"))
-    return [train_zero(STEPS, stage=stage, **groups) for stage in (2, 3)]
+    cases = [train_zero(STEPS, stage=stage, **groups) for stage in (1, 2, 3)]
+    # Accumulation over two reducing backward passes: stage 1 must not count the first pass's
+    # sum once per replica (see the reducer's [Note: accumulating across backward passes]).
+    cases += [train_zero(STEPS, accum=2, stage=stage, **groups) for stage in (1, 2)]
+    return cases
 
 
 def test_hsdp_matches_reference():
     ref, ref_losses = reference(STEPS, 4)
-    for per_rank in run_distributed(hsdp_cases, 4, timeout=120):
-        for sd, losses in per_rank:
-            assert max_rel_err(sd, ref) < 1e-5
-            assert losses == pytest.approx(ref_losses, rel=1e-5)
+    ref2, ref2_losses = reference(STEPS, 4, accum=2)
+    for per_rank in run_distributed(hsdp_cases, 4, timeout=180):
+        for i, (sd, losses) in enumerate(per_rank):
+            want, want_losses = (ref, ref_losses) if i < 3 else (ref2, ref2_losses)
+            assert max_rel_err(sd, want) < 1e-5, i
+            assert losses == pytest.approx(want_losses, rel=1e-5), i
 
 
 class Gated(nn.Module):

@@ -15,6 +15,9 @@ Stage 2/3 keep ``shard_grad``, the running sum over ranks and backward passes of
 slice. Stage 1 keeps a persistent full ``full_grad`` (the paper's P_os does not partition
 gradients); after each reduce-scatter its owned slice holds the reduced sum and the rest is
 zeroed, so the next reduce-scatter adds the new local gradients to that sum exactly once.
+With a replicate group (HSDP) that trick would count the earlier sum once per replica in the
+replicate all-reduce, so there stage 1 keeps the sum in ``shard_grad`` as stage 2 does (Psi/N
+more gradient memory, from the first reduction to ``zero_grad``) and zeroes all of ``full_grad``.
 Gradients are summed, not averaged: the step divides by the data-parallel size once.
 
 [Note: gradients as buffer views]
@@ -56,6 +59,9 @@ class GradReducer:
         self.flats = [f for f in flats if f.trainable]
         self.group, self.replicate_group = group, replicate_group
         self.keep_full_grad = keep_full_grad
+        # Stage 1 keeps the reduced sum in the owned slice of full_grad, except with replicas:
+        # the replicate all-reduce would add that sum once per replica on the next reduction.
+        self._sum_in_full_grad = keep_full_grad and replicate_group is None
         self.max_inflight = max_inflight
         self.sync = True
         """False inside ``no_sync()``: gradients accumulate locally, nothing is communicated."""
@@ -83,7 +89,7 @@ class GradReducer:
 
     def sharded_grad(self, flat: FlatParam) -> torch.Tensor:
         """This rank's slice of the reduced (summed) gradient of ``flat``, ``(shard_numel,)``."""
-        if self.keep_full_grad:
+        if self._sum_in_full_grad:
             return flat.local(flat.full_grad)
         if flat.shard_grad is None:  # a step without any backward since the last zero_grad
             flat.shard_grad = torch.zeros(flat.shard_numel, dtype=flat.grad_dtype, device=flat.grad_device)
@@ -140,13 +146,16 @@ class GradReducer:
         out = handle.wait()  # (shard_numel,) sum over the shard group
         if self.replicate_group is not None:
             all_reduce(out, "sum", self.replicate_group, tag="zero.all_reduce_replicate_grad")
-        if self.keep_full_grad:
+        if self._sum_in_full_grad:
             full = flat.full_grad
             full.zero_()
             flat.local(full).copy_(out)
         else:  # the shard exists from the first reduction of a step until zero_grad (as FSDP2's)
             flat.shard_grad = out if flat.shard_grad is None else flat.shard_grad.add_(out)
-            self._drop_full_grad(flat)
+            if self.keep_full_grad:
+                flat.full_grad.zero_()  # stage 1 with replicas: see [Note: accumulating across backward passes]
+            else:
+                self._drop_full_grad(flat)
 
     def _drop_full_grad(self, flat: FlatParam) -> None:
         for p in flat.params:
@@ -173,10 +182,10 @@ class GradReducer:
     def zero_grad(self) -> None:
         """Forget all accumulated gradients (after a step or a skipped step)."""
         for flat in self.flats:
+            flat.shard_grad = None
             if self.keep_full_grad:
                 flat.full_grad.zero_()
             else:
-                flat.shard_grad = None
                 self._drop_full_grad(flat)
 
     def remove(self) -> None:

@@ -38,7 +38,7 @@ class ZeroConfig:
     """Shard group (data-parallel ranks that split the model states); ``None`` = the world."""
     replicate_group: ProcessGroup | None = None
     """Optional outer replicate group (HSDP): shards are identical across it and gradients are
-    all-reduced over it after the reduce-scatter. Stages 2 and 3 only."""
+    all-reduced over it after the reduce-scatter. Every stage."""
     param_dtype: torch.dtype = torch.float32
     """Dtype of the working parameters and of gradient communication (fp32, fp16 or bf16).
     Master weights and optimizer states are always fp32."""
@@ -80,8 +80,6 @@ class ZeroConfig:
                 raise ValueError(f"{name}: this rank is not a member of it (new_group gave NON_GROUP_MEMBER)")
             if value is not None and not isinstance(value, ProcessGroup):
                 raise TypeError(f"{name} must be a ProcessGroup or None, got {type(value).__name__}")
-        if self.replicate_group is not None and self.stage == 1:
-            raise NotImplementedError("replicate_group (HSDP) is supported with stage 2 and 3, got stage 1")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
         if self.bucket_numel < 1 or self.max_inflight < 1:
