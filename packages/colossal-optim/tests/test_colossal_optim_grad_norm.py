@@ -121,6 +121,38 @@ def test_group_norm_reducer_sums_over_group():
     assert results == [[6.0, 4.0, 0.0]] * 4
 
 
+def _custom_all_reduce() -> tuple[list[str], float, bool, list[float]]:
+    """Every communicating function routes its reduction through ``all_reduce=`` when given."""
+    seen: list[str] = []
+
+    def counting(tensor, op, group):
+        seen.append(str(op).rsplit(".", 1)[-1])
+        return dist.all_reduce(tensor, op=op, group=group)
+
+    rank = dist.get_rank()
+    g = [torch.full((3,), float(rank + 1))]
+    norm = clip_grad_norm_(g, 100.0, all_reduce=counting).item()
+    found = has_inf_or_nan([torch.tensor([math.inf if rank == 1 else 0.0])], all_reduce=counting)
+    sq = group_norm_reducer(None, all_reduce=counting)(torch.tensor([1.0]))
+    grad_norm(g, math.inf, all_reduce=counting)
+    return seen, norm, found, sq.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_hook_carries_every_reduction():
+    for seen, norm, found, sq in run_distributed(_custom_all_reduce, 2, timeout=45):
+        assert [s.upper() for s in seen] == ["SUM", "MAX", "SUM", "MAX"]
+        assert norm == pytest.approx(math.sqrt(3 * 1 + 3 * 4))
+        assert found is True and sq == [2.0]
+
+
+def test_all_reduce_hook_must_be_callable():
+    with pytest.raises(TypeError, match="all_reduce must be callable"):
+        has_inf_or_nan([torch.ones(2)], all_reduce=3)
+    with pytest.raises(TypeError, match="all_reduce must be callable"):
+        group_norm_reducer(None, all_reduce="sum")
+
+
 def test_single_process_matches_torch_mixed_dtypes():
     grads = [torch.randn(8, 3), torch.randn(5, dtype=torch.float64), torch.randn(4, dtype=torch.bfloat16)]
     for norm_type in (2.0, 1.0, math.inf):

@@ -79,5 +79,6 @@ def test_comm_volume_matches_paper(results, stage, dtype):
             )
             assert ag == expected_ag * item
             assert r["padded"] == pytest.approx(r["psi"], rel=0.01)
+            assert r["comm"]["all_reduce"] == 4  # the one-element fp32 overflow flag, as a comm event
             # the engine's own per-step totals equal what a CommCounter observed
             assert (r["counted"]["rs"], r["counted"]["ag"]) == (rs, ag)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["active_group", "comm_device", "all_reduce"]
+__all__ = ["AllReduce", "active_group", "comm_device", "all_reduce", "check_all_reduce"]
 
 
 def active_group(group: ProcessGroup | None) -> ProcessGroup | None:
@@ -30,8 +33,22 @@ def comm_device(group: ProcessGroup | None, fallback: torch.device) -> torch.dev
     return fallback  # a multi-device backend ("cpu:gloo,cuda:nccl") or another one: stay put
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: ProcessGroup | None) -> torch.Tensor:
-    """All-reduce ``tensor`` in place over ``group`` (no-op without a group); return it."""
+AllReduce = Callable[[torch.Tensor, dist.ReduceOp, ProcessGroup], Any]
+"""An in-place all-reduce ``fn(tensor, op, group)``: ``torch.distributed.all_reduce`` or, in the
+engines, ``colossal.comm.all_reduce`` (so the reduction shows up as a comm event)."""
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: dist.ReduceOp, group: ProcessGroup | None, fn: AllReduce | None = None
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over ``group`` with ``fn`` (default ``torch.distributed``'s);
+    a no-op without a group or on a group of one. Returns ``tensor``."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        (fn or dist.all_reduce)(tensor, op, group)
     return tensor
+
+
+def check_all_reduce(fn: Any) -> None:
+    """Refuse a non-callable ``all_reduce=`` argument up front."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"all_reduce must be callable (tensor, op, group) or None, got {type(fn).__name__}")

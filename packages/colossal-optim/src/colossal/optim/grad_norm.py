@@ -9,6 +9,10 @@ reduction so it is counted once. For the inf-norm the sharded maximum is all-red
 NaN flag travels along in the same all-reduce because MAX reductions may drop NaNs. Per-tensor
 norms come from ``torch._foreach_norm`` (one multi-tensor kernel per device and dtype) in fp32.
 Nothing here synchronises with the host: results stay tensors.
+
+Every function that communicates takes ``all_reduce=``: the engines pass
+``colossal.comm.all_reduce`` so the reduction is a comm event like the rest of their traffic
+(this package depends on torch alone, so it cannot call ``colossal.comm`` itself).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from ._dist import active_group, all_reduce, comm_device
+from ._dist import AllReduce, active_group, check_all_reduce, comm_device
+from ._dist import all_reduce as _reduce
 
 __all__ = ["has_inf_or_nan", "grad_norm", "clip_grad_norm_", "group_norm_reducer"]
 
@@ -75,12 +80,16 @@ def _reduce_inf(norms: Tensor) -> Tensor:
     return torch.stack([peak, nan_flag])
 
 
-def has_inf_or_nan(tensors: Iterable[Tensor], group: ProcessGroup | None = None) -> bool:
+def has_inf_or_nan(
+    tensors: Iterable[Tensor], group: ProcessGroup | None = None, *, all_reduce: AllReduce | None = None
+) -> bool:
     """True on every rank of ``group`` if any rank's ``tensors`` hold an inf or NaN.
 
-    One all-reduce (MAX) of a one-element flag; ``group=None`` means the default group when
+    One all-reduce (MAX) of a one-element flag, with ``all_reduce`` (default
+    ``torch.distributed.all_reduce``); ``group=None`` means the default group when
     torch.distributed is initialised, else this process alone. Synchronises with the host.
     """
+    check_all_reduce(all_reduce)
     tensors = _as_list(tensors, "tensors")
     group = active_group(group)
     fallback = tensors[0].device if tensors else torch.device("cpu")
@@ -90,7 +99,7 @@ def has_inf_or_nan(tensors: Iterable[Tensor], group: ProcessGroup | None = None)
         for ts in _grouped(tensors).values():
             peaks = torch.stack(torch._foreach_norm(ts, math.inf))
             flag = torch.maximum(flag, (~peaks.isfinite()).any().to(device, torch.float32))
-        all_reduce(flag, dist.ReduceOp.MAX, group)
+        _reduce(flag, dist.ReduceOp.MAX, group, all_reduce)
     return bool(flag.item())
 
 
@@ -99,13 +108,17 @@ def grad_norm(
     norm_type: float = 2.0,
     group: ProcessGroup | None = None,
     replicated: Iterable[Tensor] = (),
+    *,
+    all_reduce: AllReduce | None = None,
 ) -> Tensor:
     """The ``norm_type``-norm of all ranks' ``sharded`` tensors plus ``replicated`` counted once.
 
     See ``[Note: sharded norms]``. Returns an fp32 scalar, equal on every rank of ``group``, on
     the device the group communicates from (CPU for gloo); inf/NaN propagate. ``group=None``
-    means the default group when torch.distributed is initialised.
+    means the default group when torch.distributed is initialised. ``all_reduce``: the in-place
+    reduction to use (default ``torch.distributed.all_reduce``).
     """
+    check_all_reduce(all_reduce)
     p = _check_norm_type(norm_type)
     sharded, replicated = _as_list(sharded, "sharded"), _as_list(replicated, "replicated")
     group = active_group(group)
@@ -114,11 +127,11 @@ def grad_norm(
     with torch.profiler.record_function("colossal.optim::grad_norm"), torch.no_grad():
         shard_norms, rep_norms = _local_norms(sharded, p, device), _local_norms(replicated, p, device)
         if p == math.inf:
-            acc = all_reduce(_reduce_inf(shard_norms), dist.ReduceOp.MAX, group)
+            acc = _reduce(_reduce_inf(shard_norms), dist.ReduceOp.MAX, group, all_reduce)
             rep = _reduce_inf(rep_norms)
             total = torch.maximum(acc[0], rep[0])
             return torch.where((acc[1] + rep[1]) > 0, torch.full_like(total, math.nan), total)
-        acc = all_reduce(_reduce_pnorm(shard_norms, p), dist.ReduceOp.SUM, group)
+        acc = _reduce(_reduce_pnorm(shard_norms, p), dist.ReduceOp.SUM, group, all_reduce)
         total = acc + _reduce_pnorm(rep_norms, p)
         return total.sqrt() if p == 2.0 else (total if p == 1.0 else total.pow(1.0 / p))
 
@@ -130,6 +143,8 @@ def clip_grad_norm_(
     group: ProcessGroup | None = None,
     replicated: Iterable[Tensor] | Tensor = (),
     error_if_nonfinite: bool = False,
+    *,
+    all_reduce: AllReduce | None = None,
 ) -> Tensor:
     """Clip gradients spread across ``group`` to a global norm, like ``torch.nn.utils.clip_grad_norm_``.
 
@@ -137,11 +152,12 @@ def clip_grad_norm_(
     parameters) and multiplies them all in place by ``min(1, max_norm / (total + 1e-6))``.
     Returns the total norm. With a non-finite total the tensors become non-finite too (exactly as
     torch does): the caller must skip the step, or pass ``error_if_nonfinite=True`` to raise.
+    ``all_reduce``: as for :func:`grad_norm`.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
     sharded, replicated = _as_list(sharded, "sharded"), _as_list(replicated, "replicated")
-    total = grad_norm(sharded, norm_type, group, replicated)
+    total = grad_norm(sharded, norm_type, group, replicated, all_reduce=all_reduce)
     if error_if_nonfinite and not bool(total.isfinite()):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients is non-finite ({total.item()}); "
@@ -154,13 +170,17 @@ def clip_grad_norm_(
     return total
 
 
-def group_norm_reducer(group: ProcessGroup | None) -> Callable[[Tensor], Tensor]:
+def group_norm_reducer(
+    group: ProcessGroup | None, *, all_reduce: AllReduce | None = None
+) -> Callable[[Tensor], Tensor]:
     """Build the ``norm_reducer`` for LAMB/LARS whose parameters are sharded over ``group``.
 
     The returned function takes a 1-D fp32 tensor of this rank's per-parameter squared norms
     (over the shards it holds; the same parameter order on every rank) and returns the
-    whole-parameter squared norms: their sum over ``group`` (one all-reduce).
+    whole-parameter squared norms: their sum over ``group`` (one all-reduce with
+    ``all_reduce``, default ``torch.distributed.all_reduce``).
     """
+    check_all_reduce(all_reduce)
     resolved = active_group(group)
 
     def reduce(sq_norms: Tensor) -> Tensor:
@@ -168,7 +188,7 @@ def group_norm_reducer(group: ProcessGroup | None) -> Callable[[Tensor], Tensor]
             return sq_norms
         with torch.profiler.record_function("colossal.optim::norm_reduce"):
             buf = sq_norms.to(comm_device(resolved, sq_norms.device), torch.float32, copy=True)
-            all_reduce(buf, dist.ReduceOp.SUM, resolved)
+            _reduce(buf, dist.ReduceOp.SUM, resolved, all_reduce)
             return buf.to(sq_norms.device)
 
     return reduce

@@ -12,6 +12,7 @@ shard of the working parameters (no copy), as in the paper's fp32 analogue.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections import defaultdict
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from colossal.comm import broadcast, group_ranks, register_observer
+from colossal.comm import all_reduce, broadcast, group_ranks, register_observer
 from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
 from colossal.zero import _events, checkpoint
 from colossal.zero._flat_param import FlatParam
@@ -168,7 +169,7 @@ class ZeroOptimizer:
         with torch.profiler.record_function("colossal.zero::step"):
             self.reducer.wait_all()
             grads = self._master_grads()
-            if has_inf_or_nan(grads, self.config.group):
+            if has_inf_or_nan(grads, self.config.group, all_reduce=functools.partial(all_reduce, tag="zero.overflow")):
                 self.scaler.update(True)
                 self.skipped_steps += 1
                 self._finish_step()
@@ -177,7 +178,12 @@ class ZeroOptimizer:
                 g.mul_(1.0 / (self.world * self.replicas))  # gradients were summed over ranks
             self.scaler.unscale_(grads)
             if self.config.max_grad_norm is not None:
-                self.last_grad_norm = clip_grad_norm_(grads, self.config.max_grad_norm, group=self.config.group)
+                self.last_grad_norm = clip_grad_norm_(
+                    grads,
+                    self.config.max_grad_norm,
+                    group=self.config.group,
+                    all_reduce=functools.partial(all_reduce, tag="zero.grad_norm"),
+                )
             self.optimizer.step()
             self.scaler.update(False)
             self._publish_params()
