@@ -111,6 +111,22 @@ def demo(session: nox.Session) -> None:
     session.run("colossalai", "train", *session.posargs)
 
 
+def bench_siblings(dist: str) -> list[str]:
+    """Local packages a benchmark runs side by side with ``dist`` (``bench/siblings.txt``, one per
+    line, ``#`` comments), with their own siblings: bench-only peers, not a run-time arrow."""
+    path = PACKAGES_DIR / dist / "bench" / "siblings.txt"
+    if not path.exists():
+        return []
+    names = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+    unknown = sorted(n for n in names if n and n not in PACKAGES)
+    if unknown:
+        raise ValueError(f"{path}: {unknown} are not packages of this tree ({PACKAGES})")
+    order: list[str] = []
+    for name in filter(None, names):
+        order += [d for d in sibling_closure(name) + [name] if d not in order and d != dist]
+    return order
+
+
 @nox.session
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 def bench(session: nox.Session, package: str) -> None:
@@ -119,7 +135,8 @@ def bench(session: nox.Session, package: str) -> None:
     if not scripts:
         session.skip(f"{package} has no benchmarks yet")
     bench_reqs = PACKAGES_DIR / package / "bench" / "requirements.txt"
-    install_packages(session, sibling_closure(package) + [package])
+    peers = bench_siblings(package)
+    install_packages(session, [d for d in sibling_closure(package) + [package] if d not in peers] + peers)
     if bench_reqs.exists():
         session.install("-c", _constraints(session), "-r", str(bench_reqs))
     for script in scripts:
