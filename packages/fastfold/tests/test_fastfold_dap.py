@@ -103,14 +103,16 @@ def rank_comm_pattern():
 
 
 def test_dap_comm_pattern_per_block():
-    """Per block: 2 MSA all-to-alls (seq<->res), 4 pair all-to-alls (row<->col twice), 7 all-gathers
-    (row-attention bias, OPM right projection + its mask, the two triangle-update operands, the two
+    """Per block: 2 MSA all-to-alls (seq<->res), 4 pair switches (row<->col twice) of which the
+    three inside the pair stack are pipelined in 2 pieces (7 calls), 7 all-gathers (row-attention
+    bias, OPM right projection + its mask, the two triangle-update operands, the two
     triangle-attention biases); the trunk adds 3 output gathers (m, z, s)."""
     calls, overlapped = run_distributed(rank_comm_pattern, 2, timeout=60)[0]
-    assert calls["all_to_all"] == 2 * 6
+    assert calls["all_to_all"] == 2 * (2 + 1 + 3 * 2)
     assert calls["all_gather"] == 2 * 7 + 3
-    # the row-attention bias gather and the MSA all-to-all back to the sequence split run async
-    assert overlapped == ["fastfold.dap.all_to_all", "fastfold.dap.gather"]
+    # the row-attention bias gather, the MSA all-to-all back to the sequence split and every pair
+    # all-to-all run async (see test_fastfold_dap_overlap.py for the overlap itself)
+    assert overlapped == ["fastfold.dap.all_to_all", "fastfold.dap.gather", "fastfold.dap.pair_all_to_all"]
 
 
 def rank_too_many_ranks():

@@ -11,7 +11,7 @@ from fastfold.model.outer_product_mean import OuterProductMean
 from fastfold.model.pair_stack import EVOFORMER_PAIR_ORDER, PairStack, residual_update
 from fastfold.model.transition import MSATransition
 from fastfold.model.trunk import run_trunk
-from fastfold.parallel.dap import pad_axis
+from fastfold.parallel.dap import PAIR_A2A_TAG, pad_axis
 
 __all__ = ["EvoformerBlock", "EvoformerStack"]
 
@@ -45,7 +45,7 @@ class EvoformerBlock(nn.Module):
         seq_mask = msa_mask if dap is None else dap.local(msa_mask, -2)
         res_mask = msa_mask if dap is None else dap.local(msa_mask, -1)
         with torch.profiler.record_function("fastfold::msa_att_row"):
-            fn = lambda acc: self.msa_att_row(m, z, seq_mask, chunk_size, dap=dap, accumulate_into=acc)
+            fn = lambda acc: self.msa_att_row(m, z, seq_mask, chunk_size, dap=dap, accumulate_into=acc, z_split_dim=-2)
             m = residual_update(m, fn, self.msa_dropout, self.training, -3, inplace)
         if dap is not None:
             with torch.profiler.record_function("fastfold.dap::msa_seq_to_res"):
@@ -59,14 +59,18 @@ class EvoformerBlock(nn.Module):
         return m, res_mask
 
     def forward(self, m, z, msa_mask, pair_mask, chunk_size=None, inplace=False, dap=None):
-        """``m`` [*, S, R, c_m] (S local under DAP), ``z`` [*, R, R, c_z] (rows local), masks whole
+        """``m`` [*, S, R, c_m] (S local under DAP), ``z`` [*, R, R, c_z] (columns local), masks whole
         (padded) [*, S, R] and [*, R, R] -> new ``(m, z)`` in the same layouts."""
+        # [Note: overlapping the pair all-to-alls] (fastfold.parallel.dap): z moves to the row split
+        # while the MSA stack runs; only the row-attention bias (position-wise) reads it before.
+        pending_z = dap.all_to_all_async(z, -3, -2, PAIR_A2A_TAG) if dap is not None else None
         m, res_mask = self._msa_stack(m, z, msa_mask, chunk_size, inplace, dap)
+        z = pending_z.wait() if pending_z is not None else z  # [*, R_loc, R, c_z]
         with torch.profiler.record_function("fastfold::outer_product_mean"):
             fn = lambda acc: self.outer_product_mean(m, res_mask, chunk_size, dap=dap, accumulate_into=acc)
             z = residual_update(z, fn, 0.0, self.training, None, inplace)
         pending = dap.all_to_all_async(m, -3, -2) if dap is not None else None  # back to S local, overlapped
-        z = self.pair_stack(z, pair_mask, chunk_size, inplace, dap)
+        z = self.pair_stack(z, pair_mask, chunk_size, inplace, dap, layout="row", out_layout="col")
         return (pending.wait() if pending is not None else m), z
 
 

@@ -30,11 +30,12 @@ class MSARowAttentionWithPairBias(nn.Module):
         self.linear_z = Linear(c_z, no_heads, bias=False)
         self.mha = Attention(c_m, c_m, c_hidden, no_heads)
 
-    def forward(self, m, z, mask, chunk_size=None, dap=None, accumulate_into=None) -> torch.Tensor:
-        """``m`` [*, S, R, c_m] (S local under DAP), ``z`` [*, R, R, c_z] (rows local under DAP),
-        ``mask`` [*, S, R] -> update of ``m`` (or ``accumulate_into`` with the update added)."""
-        bias = self.linear_z(self.layer_norm_z(z))  # [*, R_loc, R, H]
-        pending = dap.gather_async(bias, -3) if dap is not None else None
+    def forward(self, m, z, mask, chunk_size=None, dap=None, accumulate_into=None, z_split_dim=-3) -> torch.Tensor:
+        """``m`` [*, S, R, c_m] (S local under DAP), ``z`` [*, R, R, c_z] (split along ``z_split_dim``
+        under DAP: -3 rows, -2 columns), ``mask`` [*, S, R] -> update of ``m`` (or
+        ``accumulate_into`` with the update added)."""
+        bias = self.linear_z(self.layer_norm_z(z))  # [*, R_loc, R, H] or [*, R, R_loc, H]
+        pending = dap.gather_async(bias, z_split_dim) if dap is not None else None
         m_ln = self.layer_norm_m(m)  # overlaps the bias gather under DAP
         key_bias = _key_mask_bias(mask, self.inf)  # [*, S, 1, 1, R]
         bias = pending.wait() if pending is not None else bias

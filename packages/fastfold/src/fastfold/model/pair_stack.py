@@ -49,27 +49,42 @@ class PairStack(nn.Module):
         self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_att, no_heads, inf)
         self.pair_transition = PairTransition(c_z, transition_n)
 
-    def _step(self, name, z, mask, chunk_size, inplace, dap):
+    def _step(self, name, z, mask, chunk_size, inplace, dap, prepared):
         module = getattr(self, name)
         if name == "pair_transition":
             fn = lambda acc: module(z, mask, chunk_size, accumulate_into=acc)
             return residual_update(z, fn, 0.0, self.training, None, inplace)
-        fn = lambda acc: module(z, mask, chunk_size, dap=dap, accumulate_into=acc)
+        fn = lambda acc: module(z, mask, chunk_size, dap=dap, accumulate_into=acc, prepared=prepared)
         return residual_update(z, fn, self.dropout, self.training, _SHARED[name], inplace)
 
-    def forward(self, z, pair_mask, chunk_size=None, inplace=False, dap=None) -> torch.Tensor:
-        """``z`` [*, R, R, c_z] (rows local under DAP), ``pair_mask`` [*, R, R] (whole) -> new ``z``
-        in the same layout."""
-        layout = "row"
+    def final_layout(self, layout: str = "row") -> str:
+        """The DAP layout ``z`` is left in when it enters in ``layout`` and no layout is forced."""
         for name in self.order:
-            want = _LAYOUT.get(name, layout)
+            layout = _LAYOUT.get(name, layout)
+        return layout
+
+    def _switch(self, name, z, mask, layout, chunk_size, dap):
+        """Move ``z`` to ``layout``, pipelined with the prologue of update ``name``."""
+        prepare = lambda z_p, mask_p: getattr(self, name).prepare(z_p, mask_p, chunk_size)
+        with torch.profiler.record_function("fastfold.dap::pair_all_to_all"):
+            if layout == "col":
+                return dap.all_to_all_pipelined(z, -2, -3, mask, prepare)
+            return dap.all_to_all_pipelined(z, -3, -2, mask, prepare)
+
+    def forward(self, z, pair_mask, chunk_size=None, inplace=False, dap=None, layout="row", out_layout="row"):
+        """``z`` [*, R, R, c_z], ``pair_mask`` [*, R, R] (whole) -> new ``z``. Under DAP ``z`` has
+        ``layout`` local ("row": dim -3, "col": dim -2) and is returned in ``out_layout``
+        (``None``: :meth:`final_layout`, saving the last switch)."""
+        if layout not in ("row", "col") or out_layout not in ("row", "col", None):
+            raise ValueError(f"layout must be 'row' or 'col' and out_layout also None; got {layout!r}, {out_layout!r}")
+        for name in self.order:
+            want, prepared = _LAYOUT.get(name, layout), None
+            mask = pair_mask if dap is None else dap.local(pair_mask, -2 if want == "row" else -1)
             if dap is not None and want != layout:
-                with torch.profiler.record_function("fastfold.dap::pair_all_to_all"):
-                    z = dap.all_to_all(z, -2, -3) if want == "col" else dap.all_to_all(z, -3, -2)
+                z, prepared = self._switch(name, z, mask, want, chunk_size, dap)
                 layout = want
-            mask = pair_mask if dap is None else dap.local(pair_mask, -2 if layout == "row" else -1)
             with torch.profiler.record_function(f"fastfold::{name}"):
-                z = self._step(name, z, mask, chunk_size, inplace, dap)
-        if dap is not None and layout == "col":
-            z = dap.all_to_all(z, -3, -2)
+                z = self._step(name, z, mask, chunk_size, inplace, dap, prepared)
+        if dap is not None and out_layout is not None and layout != out_layout:
+            z = dap.all_to_all(z, -3, -2) if out_layout == "row" else dap.all_to_all(z, -2, -3)
         return z

@@ -62,9 +62,10 @@ class TemplatePairStack(nn.Module):
             r_pad = dap.padded(n_res)
             t = dap.scatter(pad_axis(pad_axis(t, -3, r_pad), -2, r_pad), -3)
             mask = pad_axis(pad_axis(mask, -2, r_pad), -1, r_pad)
-        for block in self.blocks:
-            t = block(t, mask, chunk_size, inplace, dap)
-        t = self.layer_norm(t)  # position-wise: applied to the local rows under DAP
+        layout = "row"
+        for block in self.blocks:  # no switch back at the end of a block: the next one starts with it
+            t, layout = block(t, mask, chunk_size, inplace, dap, layout, None), block.final_layout(layout)
+        t = self.layer_norm(t)  # position-wise: applied to the local rows/columns under DAP
         if dap is not None:
-            t = dap.gather_output(t, -3)[..., :n_res, :n_res, :]
+            t = dap.gather_output(t, -3 if layout == "row" else -2)[..., :n_res, :n_res, :]
         return t

@@ -45,11 +45,17 @@ class TriangleMultiplicativeUpdate(nn.Module):
         x = (a_c @ b_t).movedim(-3, -1)  # [*, c, I_c, K] @ [*, c, K, J] -> [*, I_c, J, c]
         return sigmoid_gate(self.linear_z(self.layer_norm_out(x)), self.linear_g(z_c))
 
-    def forward(self, z, mask, chunk_size=None, dap=None, accumulate_into=None) -> torch.Tensor:
-        """``z`` [*, I, J, c_z], ``mask`` [*, I, J] -> update [*, I, J, c_z]. Under DAP the rows
-        (outgoing) or columns (incoming) are local; the operand needed whole is all-gathered."""
+    def prepare(self, z, mask, chunk_size=None) -> tuple[torch.Tensor, ...]:
+        """The position-wise prologue ``(LN(z), a, b)`` [*, I, J, *]; it runs on slices of ``z``
+        while the rest of it is still being transferred (see ``Dap.all_to_all_pipelined``)."""
         z_ln = self.layer_norm_in(z)
-        a, b = self._project(z_ln, mask, chunk_size)
+        return (z_ln, *self._project(z_ln, mask, chunk_size))
+
+    def forward(self, z, mask, chunk_size=None, dap=None, accumulate_into=None, prepared=None) -> torch.Tensor:
+        """``z`` [*, I, J, c_z], ``mask`` [*, I, J] -> update [*, I, J, c_z]. Under DAP the rows
+        (outgoing) or columns (incoming) are local; the operand needed whole is all-gathered.
+        ``prepared``: :meth:`prepare` already computed on this ``z``."""
+        z_ln, a, b = prepared if prepared is not None else self.prepare(z, mask, chunk_size)
         if dap is not None:
             a, b = (a, dap.gather(b, -3)) if self.outgoing else (dap.gather(a, -2), b)
         # Channels-first operands, permuted once for all chunks:
@@ -89,15 +95,20 @@ class TriangleAttention(nn.Module):
         nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(c_z))
         self.mha = Attention(c_z, c_z, c_hidden, no_heads)
 
-    def forward(self, z, mask, chunk_size=None, dap=None, accumulate_into=None) -> torch.Tensor:
+    def prepare(self, z, mask=None, chunk_size=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The position-wise prologue ``(LN(z), bias)`` [*, I, J, *] in ``z``'s own layout (see
+        :meth:`TriangleMultiplicativeUpdate.prepare`)."""
+        z_ln = self.layer_norm(z)
+        return z_ln, self.linear(z_ln)
+
+    def forward(self, z, mask, chunk_size=None, dap=None, accumulate_into=None, prepared=None) -> torch.Tensor:
         """``z`` [*, I, J, c_z], ``mask`` [*, I, J] -> update [*, I, J, c_z]. Under DAP rows (starting)
-        or columns (ending) are local and the bias is all-gathered."""
+        or columns (ending) are local and the bias is all-gathered. ``prepared``: :meth:`prepare`."""
         acc = accumulate_into
-        if not self.starting:
-            z, mask = z.transpose(-2, -3), mask.transpose(-1, -2)
+        z_ln, bias = prepared if prepared is not None else self.prepare(z)  # [*, I, J, c], [*, I, J, H]
+        if not self.starting:  # position-wise prologue: transposing after it is the same
+            z_ln, bias, mask = z_ln.transpose(-2, -3), bias.transpose(-2, -3), mask.transpose(-1, -2)
             acc = acc.transpose(-2, -3) if acc is not None else None
-        z_ln = self.layer_norm(z)  # [*, I, J, c]
-        bias = self.linear(z_ln)  # [*, I_loc, J, H]
         if dap is not None:
             bias = dap.gather(bias, -3)
         bias = bias.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, J, K]

@@ -54,7 +54,7 @@ def _enter_dap(dap, m, z, msa_mask, pair_mask):
     z = pad_axis(pad_axis(z, -3, r_pad), -2, r_pad)
     msa_mask = pad_axis(pad_axis(msa_mask, -2, s_pad), -1, r_pad)  # padding is masked out
     pair_mask = pad_axis(pad_axis(pair_mask, -2, r_pad), -1, r_pad)
-    return dap.scatter(m, -3), dap.scatter(z, -3), msa_mask, pair_mask
+    return dap.scatter(m, -3), dap.scatter(z, -2), msa_mask, pair_mask  # z: columns local between blocks
 
 
 def run_trunk(blocks, m, z, msa_mask, pair_mask, cfg, chunk_size, inplace, dap, checkpoint):
@@ -75,6 +75,6 @@ def run_trunk(blocks, m, z, msa_mask, pair_mask, cfg, chunk_size, inplace, dap, 
     if dap is not None:
         with torch.profiler.record_function("fastfold.dap::gather"):
             m = dap.gather_output(m, -3)[..., :n_seq, :n_res, :]
-            z = dap.gather_output(z, -3)[..., :n_res, :n_res, :]
+            z = dap.gather_output(z, -2)[..., :n_res, :n_res, :]
             msa_mask, pair_mask = msa_mask[..., :n_seq, :n_res], pair_mask[..., :n_res, :n_res]
     return m, z, (msa_mask, pair_mask)

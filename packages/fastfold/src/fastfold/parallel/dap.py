@@ -21,7 +21,27 @@ gradient is its share of the sum, so :func:`reduce_gradients` sums them over the
 ``wait()`` later yields the result. Autograd sees two nodes, start and wait, linked by an empty
 token: the wait's backward *starts* the backward collective of the gradient and the start's
 backward *waits* for it, so backward overlaps the same way forward does (compute scheduled between
-the two nodes runs while the bytes move).
+the two nodes runs while the bytes move). ``Dap(overlap=False)`` issues the same collectives
+synchronously at the start node (same layouts and results; for debugging and for measuring the
+overlap).
+
+[Note: overlapping the pair all-to-alls]
+An Evoformer block switches the pair layout four times (rows -> columns and back, twice). FastFold's
+"duality async" idea is applied in two ways (all differentiable, the backward mirrors the forward):
+
+* the pair representation enters and leaves a block with its *columns* local; the block starts the
+  columns -> rows all-to-all first and waits for it only when the outer product mean adds its
+  (row-local) update, so the transfer overlaps the whole MSA stack. The row-attention bias is
+  position-wise in ``z`` and gathered whole anyway, so it is computed from the column-local ``z``
+  and gathered along columns;
+* the three switches inside the pair stack are pipelined (:meth:`Dap.all_to_all_pipelined`): the
+  tensor moves in ``pieces`` slices of the destination's local axis, all started at once; while
+  slice ``k + 1`` is in flight the next operator's position-wise prologue (layer norm, projections,
+  attention bias; its ``prepare`` method) runs on slice ``k``. The first slice is exposed, the rest
+  is hidden behind that prologue.
+
+Communication volume is unchanged; results are the same up to summation order (the prologue runs
+on slices, which is exact for position-wise operations).
 """
 
 from __future__ import annotations
@@ -35,6 +55,10 @@ from torch.distributed import ProcessGroup
 from colossal import comm as C
 
 __all__ = ["Dap", "AsyncTensor", "reduce_gradients", "pad_axis"]
+
+_A2A_TAG = "fastfold.dap.all_to_all"
+PAIR_A2A_TAG = "fastfold.dap.pair_all_to_all"
+"""Tag of the pair representation's all-to-alls (forward; the backward appends ``.bwd``)."""
 
 
 class _Pending:
@@ -70,11 +94,28 @@ class _Wait(torch.autograd.Function):
         return grad.new_empty(0), None
 
 
-class AsyncTensor:
-    """A tensor whose collective is in flight; :meth:`wait` returns it (differentiably)."""
+class _Done:
+    """A completed handle (the synchronous path of ``Dap(overlap=False)``)."""
 
-    def __init__(self, x: torch.Tensor, fwd, bwd):
-        self._pending = _Pending(fwd, bwd)
+    def __init__(self, result):
+        self._result = result
+
+    def wait(self):
+        return self._result
+
+
+def _issuer(issue, overlap: bool):
+    """``issue(tensor, async_op)`` as a one-argument function returning a handle."""
+    return (lambda t: issue(t, True)) if overlap else (lambda t: _Done(issue(t, False)))
+
+
+class AsyncTensor:
+    """A tensor whose collective is in flight; :meth:`wait` returns it (differentiably).
+    ``fwd``/``bwd``: ``issue(tensor, async_op)`` of the forward and backward collectives;
+    ``overlap=False`` runs them synchronously where they are issued."""
+
+    def __init__(self, x: torch.Tensor, fwd, bwd, overlap: bool = True):
+        self._pending = _Pending(_issuer(fwd, overlap), _issuer(bwd, overlap))
         self._token = _Start.apply(x, self._pending)
 
     def wait(self) -> torch.Tensor:
@@ -92,11 +133,19 @@ def pad_axis(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 class Dap:
-    """The DAP group and the collectives that switch the split axis (see [Note: DAP layouts])."""
+    """The DAP group and the collectives that switch the split axis (see [Note: DAP layouts]).
+    ``overlap``: start collectives early and wait for them later (``False``: synchronous, same
+    layouts and results); ``pieces``: slices of a pipelined all-to-all (see [Note: overlapping the
+    pair all-to-alls])."""
 
-    def __init__(self, group: ProcessGroup | None = None):
+    def __init__(self, group: ProcessGroup | None = None, *, overlap: bool = True, pieces: int = 2):
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+        if not isinstance(pieces, int) or isinstance(pieces, bool) or pieces < 1:
+            raise ValueError(f"pieces must be a positive int, got {pieces!r}")
         if not dist.is_initialized():
             raise RuntimeError("Dap needs torch.distributed to be initialised (see colossal.comm.launch)")
+        self.overlap, self.pieces = overlap, pieces
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -124,9 +173,9 @@ class Dap:
     def gather_async(self, x: torch.Tensor, dim: int) -> AsyncTensor:
         """:meth:`gather` started now, finished by ``.wait()``."""
         g = self.group
-        fwd = lambda t: C.all_gather(t, g, dim=dim, async_op=True, tag="fastfold.dap.gather")
-        bwd = lambda t: C.reduce_scatter(t, group=g, dim=dim, async_op=True, tag="fastfold.dap.gather.bwd")
-        return AsyncTensor(x, fwd, bwd)
+        fwd = lambda t, a: C.all_gather(t, g, dim=dim, async_op=a, tag="fastfold.dap.gather")
+        bwd = lambda t, a: C.reduce_scatter(t, group=g, dim=dim, async_op=a, tag="fastfold.dap.gather.bwd")
+        return AsyncTensor(x, fwd, bwd, self.overlap)
 
     def gather_nograd(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather of a tensor outside autograd (masks)."""
@@ -136,12 +185,40 @@ class Dap:
         """Switch the split axis from ``gather_dim`` to ``scatter_dim`` (differentiable)."""
         return C.all_to_all_along_dims(x.contiguous(), scatter_dim, gather_dim, self.group)
 
-    def all_to_all_async(self, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> AsyncTensor:
+    def all_to_all_async(self, x: torch.Tensor, scatter_dim: int, gather_dim: int, tag: str = _A2A_TAG) -> AsyncTensor:
         """:meth:`all_to_all` started now, finished by ``.wait()``."""
-        g, s, d = self.group, scatter_dim, gather_dim
-        fwd = lambda t: C.all_to_all_dims(t, s, d, group=g, async_op=True, tag="fastfold.dap.all_to_all")
-        bwd = lambda t: C.all_to_all_dims(t, d, s, group=g, async_op=True, tag="fastfold.dap.all_to_all.bwd")
-        return AsyncTensor(x, fwd, bwd)
+        g, s, d, t_bwd = self.group, scatter_dim, gather_dim, tag + ".bwd"
+        fwd = lambda t, a: C.all_to_all_dims(t, s, d, group=g, async_op=a, tag=tag)
+        bwd = lambda t, a: C.all_to_all_dims(t, d, s, group=g, async_op=a, tag=t_bwd)
+        return AsyncTensor(x, fwd, bwd, self.overlap)
+
+    def all_to_all_pipelined(self, x, scatter_dim, gather_dim, mask, prepare):
+        """Switch ``x`` [*, A, B, c] from ``gather_dim`` to ``scatter_dim`` local (both in {-3, -2})
+        in ``pieces`` slices, running ``prepare(x_piece, mask_piece)`` (position-wise, returns a
+        tuple of [*, A, B, ...] tensors) on each slice as it arrives while the next ones move.
+        ``mask`` [*, A, B] is already in the destination layout. Returns ``(x, prepare(x, mask))``
+        in the destination layout (see [Note: overlapping the pair all-to-alls])."""
+        pieces = self.pieces if self.overlap else 1
+        local = x.shape[scatter_dim] // self.size
+        bounds = [(i * local // pieces, (i + 1) * local // pieces) for i in range(pieces)]
+        bounds = [(lo, hi - lo) for lo, hi in bounds if hi > lo]
+        sd = scatter_dim
+        xs = x.unflatten(sd, (self.size, local))  # the slices' positions in every destination's block
+        if len(bounds) == 1:
+            x = self.all_to_all_async(x, sd, gather_dim, PAIR_A2A_TAG).wait()
+            return x, tuple(prepare(x, mask))
+        handles = [
+            self.all_to_all_async(xs.narrow(sd, lo, n).flatten(sd - 1, sd), sd, gather_dim, PAIR_A2A_TAG)
+            for lo, n in bounds
+        ]
+        outs = None
+        for (lo, n), handle in zip(bounds, handles):
+            piece = handle.wait()
+            parts = (piece, *prepare(piece, mask.narrow(sd + 1, lo, n)))
+            outs = outs or [p.new_empty(p.shape[:sd] + (local,) + p.shape[sd + 1 :]) for p in parts]
+            for out, part in zip(outs, parts):
+                out.narrow(sd, lo, n).copy_(part)
+        return outs[0], tuple(outs[1:])
 
 
 def reduce_gradients(module: nn.Module, dap: Dap) -> None:
