@@ -109,6 +109,7 @@ class Chunk:
         self.has_grad = False  # grad_shard holds gradients not yet consumed by a step
         self.written: set[int] = set()  # offsets of tensors whose gradient went straight to grad_shard this pass
         self.pending = None  # async reduce-scatter handle
+        self.gather_handle = None  # async all-gather (prefetch) still writing into payload
         self.states_accounted = False  # optimizer states charged to o_tier (after the first step)
 
     # -- packing ---------------------------------------------------------------------------------

@@ -161,6 +161,7 @@ class ChunkManager:
     def fetch(self, chunk: Chunk) -> None:
         """Make the whole chunk computable on the device (bring the shard over, then gather)."""
         if chunk.state is ChunkState.GATHERED:
+            self.wait_gather(chunk)
             return
         with events.label("fetch"):
             if not self.sharded:
@@ -173,17 +174,40 @@ class ChunkManager:
                     count(self.traffic, self.host, self.device, chunk.nbytes, chunk.id, "fetch", start)
                 chunk.shard, chunk.w_tier = chunk.payload, "device"
             else:
-                if chunk.w_tier == "host":
-                    chunk.shard = transfer(chunk.shard, self.host, self.device, self.traffic, chunk.id, "fetch")
-                    chunk.w_tier = "device"
-                self._alloc_payload(chunk)
-                gathered = comm.all_gather(chunk.shard, group=self.group, tag="gemini.gather")
-                chunk.payload.copy_(gathered)
+                self._start_gather(chunk, async_op=False)
             chunk.to_gathered()
+
+    def prefetch(self, chunk: Chunk) -> None:
+        """Start gathering a sharded chunk asynchronously; :meth:`fetch` (or :meth:`release`) waits for it.
+
+        The chunk counts as GATHERED (its payload is allocated and accounted) from now on, so the
+        collective is issued exactly once per chunk on every rank. See ``[Note: prefetch]``.
+        """
+        if chunk.state is ChunkState.GATHERED:
+            return
+        with events.label("prefetch"):
+            chunk.gather_handle = self._start_gather(chunk, async_op=True)
+            chunk.to_gathered()
+
+    def wait_gather(self, chunk: Chunk) -> None:
+        """Block until the chunk's asynchronous gather (if any) has filled its payload."""
+        if chunk.gather_handle is not None:
+            with events.label("wait_prefetch"):
+                chunk.gather_handle.wait()
+            chunk.gather_handle = None
+
+    def _start_gather(self, chunk: Chunk, async_op: bool):
+        if chunk.w_tier == "host":
+            chunk.shard = transfer(chunk.shard, self.host, self.device, self.traffic, chunk.id, "fetch")
+            chunk.w_tier = "device"
+        self._alloc_payload(chunk)
+        tag = "gemini.prefetch" if async_op else "gemini.gather"
+        return comm.all_gather(chunk.shard, group=self.group, async_op=async_op, tag=tag, out=chunk.payload)
 
     def release(self, chunk: Chunk) -> None:
         """Drop the gathered payload of a sharded chunk (its shard stays); no-op without sharding."""
         if self.sharded and chunk.state is ChunkState.GATHERED:
+            self.wait_gather(chunk)  # the collective still writes into the payload
             self._drop_payload(chunk)
 
     def evict(self, chunk: Chunk) -> None:

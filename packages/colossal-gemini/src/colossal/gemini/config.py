@@ -33,6 +33,11 @@ class GeminiConfig:
     """Data-parallel group the chunks are sharded over (``None``: the world when initialised)."""
     param_init_fn: Callable[[str, torch.Tensor], None] | None = None
     """Fills a meta-device parameter (by name) in place, chunk by chunk (lazy construction)."""
+    prefetch: int = 2
+    """Sharded data parallelism, after warm-up: after an operator's chunks are gathered, start the
+    all-gathers of the next ``prefetch`` distinct chunks of the traced order asynchronously, so they
+    overlap its compute (fewer where the traced budget cannot hold them; the same on every rank).
+    ``0`` gathers every chunk on demand."""
     device: torch.device | str | None = None
     """Compute device; default ``cuda:<current>`` when CUDA is present, else ``cpu``."""
 
@@ -49,5 +54,7 @@ class GeminiConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive int of elements, got {self.chunk_size!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {self.prefetch!r}")
         if self.device is None:
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

@@ -33,6 +33,7 @@ from colossal.gemini.chunk import Chunk, TensorState
 from colossal.gemini.chunk_manager import ChunkManager
 from colossal.gemini.config import GeminiConfig
 from colossal.gemini.placement import WarmupPolicy
+from colossal.gemini.prefetch import Prefetcher
 from colossal.gemini.stats import GeminiStats
 from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier
 from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
@@ -79,6 +80,7 @@ class GeminiDDP(nn.Module):
         self.policy = WarmupPolicy(self.manager, self._reserve)
         self.warmup = True
         self.belady_bytes: int | None = None
+        self.prefetcher: Prefetcher | None = None  # set at the end of warm-up (sharded runs, prefetch > 0)
         self.stats_history: list[GeminiStats] = []
         self._reset_iteration()
         self._handles = self._register_hooks(module)
@@ -185,8 +187,14 @@ class GeminiDDP(nn.Module):
                 self._close_record()
                 self.trace.ops.append(OpRecord(label=label, chunk_ids=tuple(c.id for c in chunks)))
                 self._record_open = True
-            self.policy.after_op(self._current, {c.id for c in chunks})
+            keep = self.prefetcher.keep(i, chunks) if self.prefetcher else frozenset(c.id for c in chunks)
+            self.policy.protected = keep
+            self.policy.after_op(self._current, keep)
+            if self.prefetcher:
+                self.prefetcher.enter(keep)
             self.policy.before_op(i, chunks)
+            if self.prefetcher:
+                self.prefetcher.issue(i, lambda nbytes, protect: self.policy.make_room(nbytes, protect, i))
             self._current = chunks
             if training:
                 self.op_index += 1
@@ -286,6 +294,9 @@ class GeminiDDP(nn.Module):
                     self.manager.reduce(c)
                     self.manager.finish_reduce(c)
             self.policy.after_op(self._current, set())
+            if self.prefetcher:
+                self.prefetcher.enter(frozenset())
+            self.policy.protected = frozenset()
             if self.warmup:
                 self._close_record()
             self._current = []
@@ -357,6 +368,7 @@ _RUNTIME = frozenset(
         "warmup",
         "belady_bytes",
         "policy",
+        "prefetcher",
         "trace",
         "tracker",
     }

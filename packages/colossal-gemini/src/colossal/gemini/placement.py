@@ -91,13 +91,18 @@ class PlacementPolicy:
         self.m = manager
         self._non_model = non_model  # op index -> non-model bytes to keep room for
         self.last_use: dict[int, int] = {}
+        self.protected: frozenset[int] = frozenset()  # gathered or in flight for the prefetch window: never evicted
 
     def victim(self, protect: set[int], i: int) -> Chunk | None:
         """The chunk to evict before operator ``i`` (None when nothing may go)."""
         raise NotImplementedError
 
     def _evictable(self, protect: set[int]) -> list[Chunk]:
-        return [c for c in self.m.chunks if self.m.resident_bytes(c) and c.id not in protect and not c.in_use]
+        return [
+            c
+            for c in self.m.chunks
+            if self.m.resident_bytes(c) and c.id not in protect and c.id not in self.protected and not c.in_use
+        ]
 
     def make_room(self, nbytes: int, protect: set[int], i: int) -> None:
         """Evict until ``nbytes`` more model bytes fit next to operator ``i``'s non-model data."""

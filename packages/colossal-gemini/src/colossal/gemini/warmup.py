@@ -13,6 +13,7 @@ those blocks (fused kernel) and on the host for the others (CPU kernel).
 from __future__ import annotations
 
 from colossal.gemini.placement import AutoPolicy, StaticPolicy, belady
+from colossal.gemini.prefetch import build_prefetcher
 from colossal.gemini.tiers import BudgetExceededError
 
 __all__ = ["finish_warmup", "optimum_bytes"]
@@ -79,6 +80,8 @@ def finish_warmup(ddp, optimizer) -> None:
         for c in m.chunks:
             if c.id in policy.host_homed:
                 m.evict(c)
+    if m.sharded and cfg.prefetch > 0:
+        ddp.prefetcher = build_prefetcher(ddp, sum(blocks[c] for c in o_device))
     ddp.belady_bytes = optimum_bytes(ddp, sum(blocks[c] for c in o_device), o_device)
 
 
