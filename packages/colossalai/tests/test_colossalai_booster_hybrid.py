@@ -1,5 +1,6 @@
 """Booster + HybridParallelPlugin against plain single-process PyTorch: data x tensor parallel
-(1D, 2D, 2.5D, 3D) and data x sequence parallel (ring, all-to-all attention).
+(1D, 2D, 2.5D, 3D), data x sequence parallel (ring, all-to-all attention), and 1D tensor x
+sequence parallel.
 
 Tolerance: fp32, 1e-5 relative per-step loss: tensor and sequence parallelism split matrix
 products and attention and sum partial results over ranks (plus the dp gradient average),
@@ -25,8 +26,13 @@ LAYOUTS = [  # (world, plugin kwargs): every mode, with dp where the world allow
     (8, dict(tp_size=8, tp_mode="3d")),
     (2, dict(tp_size=1, sp_size=2)),
     (4, dict(tp_size=1, sp_size=2, sp_kind="all_to_all")),
+    (4, dict(tp_size=2, sp_size=2)),
+    (4, dict(tp_size=2, sp_size=2, sp_kind="all_to_all")),
 ]
-IDS = ["tp2", "dp2xtp2", "2d-tp4", "2.5d-tp4-d1", "2.5d-tp8-d2", "3d-tp8", "sp2-ring", "dp2xsp2-all_to_all"]
+IDS = [
+    *["tp2", "dp2xtp2", "2d-tp4", "2.5d-tp4-d1", "2.5d-tp8-d2", "3d-tp8", "sp2-ring", "dp2xsp2-all_to_all"],
+    *["sp2xtp2-ring", "sp2xtp2-all_to_all"],
+]
 
 
 def _hybrid_losses(kwargs):
@@ -42,6 +48,7 @@ def test_hybrid_matches_plain_pytorch(world, kwargs):
     dense = sum(p.numel() for p in make_model_and_optim()[0].parameters())
     for rank_losses, local in got:
         torch.testing.assert_close(torch.tensor(rank_losses), ref, rtol=1e-5, atol=0)
+        assert kwargs["tp_size"] == 1 or local < dense, (local, dense)
         if kwargs["tp_size"] > 2:  # really sharded: dense / (P / depth), up to rounding of the split
             assert local <= math.ceil(dense * kwargs.get("tp_depth", 1) / kwargs["tp_size"]) + 64, (local, dense)
 
@@ -55,11 +62,16 @@ def _clip_norm(kwargs, norm_type):
     return before, after
 
 
-CLIP = [(2, dict(tp_size=2)), (8, dict(tp_size=8, tp_mode="2.5d", tp_depth=2)), (4, dict(tp_size=1, sp_size=2))]
+CLIP = [
+    (2, dict(tp_size=2)),
+    (8, dict(tp_size=8, tp_mode="2.5d", tp_depth=2)),
+    (4, dict(tp_size=1, sp_size=2)),
+    (4, dict(tp_size=2, sp_size=2)),
+]
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
-@pytest.mark.parametrize("world,kwargs", CLIP, ids=["1d-tp2", "2.5d-tp8-d2", "dp2xsp2"])
+@pytest.mark.parametrize("world,kwargs", CLIP, ids=["1d-tp2", "2.5d-tp8-d2", "dp2xsp2", "sp2xtp2"])
 def test_hybrid_clips_by_the_dense_gradient_norm(world, kwargs, norm_type):
     """Parameters replicated over part of the tp group (2.5D depth, 2D/2.5D position embedding,
     1D LayerNorms) or all of the sp group are counted once; the clip scales every gradient."""
@@ -67,7 +79,7 @@ def test_hybrid_clips_by_the_dense_gradient_norm(world, kwargs, norm_type):
     model, _ = make_model_and_optim()
     _, _, _, loader = boosted_setup(TorchDDPPlugin())  # one process: the same first global batch
     x, y = next(iter(loader))
-    dp = world // max(kwargs["tp_size"], kwargs.get("sp_size", 1))
+    dp = world // (kwargs["tp_size"] * kwargs.get("sp_size", 1))
     for xs, ys in zip(x.chunk(dp), y.chunk(dp)):  # DDP averages the dp shards' gradients
         (criterion(model(xs), ys) / dp).backward()
     ref = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type).item()
@@ -79,8 +91,8 @@ def test_hybrid_clips_by_the_dense_gradient_norm(world, kwargs, norm_type):
 def test_hybrid_refuses_unsupported_layouts():
     with pytest.raises(NotImplementedError, match="tp_mode in"):
         HybridParallelPlugin(tp_mode="4d")
-    with pytest.raises(NotImplementedError, match="not both"):
-        HybridParallelPlugin(tp_size=2, sp_size=2)
+    with pytest.raises(NotImplementedError, match="tp_mode='1d' only"):
+        HybridParallelPlugin(tp_size=4, tp_mode="2d", sp_size=2)
     with pytest.raises(NotImplementedError, match="zero_stage in"):
         HybridParallelPlugin(zero_stage=3)
     with pytest.raises(ValueError, match="q\\^2"):

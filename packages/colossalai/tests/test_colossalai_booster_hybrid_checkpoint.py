@@ -1,6 +1,6 @@
-"""HybridParallelPlugin checkpoints are portable: saved by a 2D / 2.5D / 3D / sequence-parallel
-layout (dense names, full logical tensors), resumed by another plugin or layout with the losses of
-an uninterrupted run; the exported safetensors load into a plain PyTorch GPT.
+"""HybridParallelPlugin checkpoints are portable: saved by a 2D / 2.5D / 3D / sequence-parallel /
+tensor x sequence parallel layout (dense names, full logical tensors), resumed by another plugin or
+layout with the losses of an uninterrupted run; the exported safetensors load into a plain PyTorch GPT.
 
 Tolerance: 1e-5 relative on the per-step mean loss (fp32; see test_colossalai_booster_hybrid.py).
 """
@@ -38,8 +38,9 @@ MATRIX = [  # ((world, plugin kwargs; {} = ddp) saving, (world, kwargs) resuming
     ((4, dict(tp_size=4, tp_mode="2d")), (1, {})),
     ((2, {}), (8, dict(tp_size=8, tp_mode="2.5d", tp_depth=2))),
     ((4, dict(tp_size=1, sp_size=2)), (8, dict(tp_size=8, tp_mode="3d"))),
+    ((4, dict(tp_size=2, sp_size=2)), (2, dict(tp_size=2))),
 ]
-IDS = ["hybrid2d4-to-ddp1", "ddp2-to-hybrid2.5d8", "hybrid-dp2xsp2-to-hybrid3d8"]
+IDS = ["hybrid2d4-to-ddp1", "ddp2-to-hybrid2.5d8", "hybrid-dp2xsp2-to-hybrid3d8", "hybrid-sp2xtp2-to-hybrid-tp2"]
 
 
 @pytest.mark.parametrize("save,load", MATRIX, ids=IDS)

@@ -1,11 +1,13 @@
-"""Hybrid parallelism: data x tensor (1D/2D/2.5D/3D) or data x sequence parallel, through
+"""Hybrid parallelism: data x tensor (1D/2D/2.5D/3D) x sequence parallel, through
 ``colossal.tensor_parallel`` on a ``colossal.comm.Mesh``.
 
 Layouts: ``Mesh(axes={"dp": world // tp_size, "tp": tp_size})`` for tensor parallelism,
-``Mesh(axes={"dp": world // sp_size, "sp": sp_size})`` for sequence parallelism. The model is
-converted in place by ``colossal.tensor_parallel.parallelize`` (``gpt_plan(mode)`` by default),
-its split logits are gathered so that the user's criterion runs unchanged on the full
-``(B, T, V)`` logits, and gradients are averaged over ``dp`` (times ``sp``) by DDP.
+``Mesh(axes={"dp": world // sp_size, "sp": sp_size})`` for sequence parallelism, and
+``Mesh(axes={"dp": ..., "sp": sp_size, "tp": tp_size})`` for both (1D tensor parallelism only; tp
+innermost, the most talkative axis). The model is converted in place by
+``colossal.tensor_parallel`` (``gpt_plan(mode)`` by default), its split logits are gathered so
+that the user's criterion runs unchanged on the full ``(B, T, V)`` logits, and gradients are
+averaged over ``dp`` (times ``sp``) by DDP.
 
 [Note: tensor-parallel state in checkpoints]
 A 1D-parallel parameter is an even split, in rank order, of the dense parameter along one
@@ -52,11 +54,13 @@ ZERO_STAGES = (0, 1, 2)
 class HybridParallelPlugin(Plugin):
     """``HybridParallelPlugin(tp_size=4, tp_mode="2d")``: tensor parallel inside groups of
     ``tp_size`` ranks (``tp_mode`` 1d, 2d, 2.5d with ``tp_depth``, 3d), data parallel across them;
-    or ``HybridParallelPlugin(tp_size=1, sp_size=2)``: sequence parallel (``sp_kind`` ring or
-    all_to_all attention) inside groups of ``sp_size`` ranks, data parallel across them.
+    ``HybridParallelPlugin(tp_size=1, sp_size=2)``: sequence parallel (``sp_kind`` ring or
+    all_to_all attention) inside groups of ``sp_size`` ranks, data parallel across them;
+    ``HybridParallelPlugin(tp_size=2, sp_size=2)``: both (1D tensor parallelism inside each
+    sequence chunk), data parallel across ``tp_size * sp_size`` ranks.
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP (clipping then needs ``tp_size=1``). Not supported
-    (``NotImplementedError``): tp and sp together, ``zero_stage=3``, fp16 (its overflow check
+    (``NotImplementedError``): sp with 2D/2.5D/3D, ``zero_stage=3``, fp16 (its overflow check
     would have to be agreed over the tp group); fp32 and bf16 are.
     """
 
@@ -80,9 +84,10 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"HybridParallelPlugin supports tp_mode in {TP_MODES}, got {tp_mode!r}")
         if sp_kind not in SP_KINDS:
             raise ValueError(f"sp_kind must be one of {SP_KINDS}, got {sp_kind!r}")
-        if sp_size > 1 and tp_size > 1:
+        if sp_size > 1 and tp_size > 1 and tp_mode != "1d":
             raise NotImplementedError(
-                f"HybridParallelPlugin supports tp_size > 1 or sp_size > 1, not both; got {tp_size} and {sp_size}"
+                "HybridParallelPlugin combines sequence parallelism (sp_size > 1) with tp_mode='1d' only; "
+                f"got tp_mode={tp_mode!r}, tp_size={tp_size}, sp_size={sp_size}"
             )
         if zero_stage not in ZERO_STAGES:
             raise NotImplementedError(f"HybridParallelPlugin supports zero_stage in {ZERO_STAGES}, got {zero_stage!r}")
@@ -96,17 +101,21 @@ class HybridParallelPlugin(Plugin):
 
     @property
     def _inner(self) -> tuple[str, int]:
-        """The model-parallel mesh axis and its size."""
-        return ("sp", self.sp_size) if self.sp_size > 1 else ("tp", self.tp_size)
+        """The mesh axis whose ranks hold different blocks of the parameters (tp; sp without tp),
+        and its size."""
+        return ("sp", self.sp_size) if self.tp_size == 1 and self.sp_size > 1 else ("tp", self.tp_size)
 
     def _build_mesh(self):
         from colossal.comm import Mesh
 
-        axis, size = self._inner
+        size = self.tp_size * self.sp_size
         if world_size() % size:
-            raise ValueError(f"world size {world_size()} must be divisible by {axis}_size={size}")
+            raise ValueError(
+                f"world size {world_size()} must be divisible by tp_size * sp_size = {self.tp_size} * {self.sp_size}"
+            )
         if self.mesh is None:
-            self.mesh = Mesh(axes={"dp": world_size() // size, axis: size})
+            axes = {"dp": world_size() // size, "sp": self.sp_size, "tp": self.tp_size}
+            self.mesh = Mesh(axes={a: n for a, n in axes.items() if n > 1 or a == "dp" or a == self._inner[0]})
         return self.mesh
 
     @property
@@ -116,7 +125,7 @@ class HybridParallelPlugin(Plugin):
 
     def dp_size(self) -> int:
         """Replicas along the dp axis."""
-        return world_size() // self._inner[1]
+        return world_size() // (self.tp_size * self.sp_size)
 
     def dp_rank(self) -> int:
         """This rank's dp coordinate (tp / sp peers read the same data)."""
@@ -156,15 +165,23 @@ class HybridParallelPlugin(Plugin):
         return GatherLogits(model, gather_fn(self.tp_mode, target)), mesh.group("dp")
 
     def _sequence(self, model: nn.Module, mesh):
-        from colossal.tensor_parallel import parallelize
+        """Sequence parallel, after 1D tensor parallel when ``tp_size > 1``: the 1D layers run
+        unchanged on each ``T/sp`` chunk; the attention core becomes ring / all-to-all over the
+        local ``n_head/tp`` heads. The 1D shared q/k/v input all-reduce is a hook on the attention
+        module, which sequence parallelism replaces, so each projection keeps its own."""
+        from colossal.tensor_parallel import apply_1d, parallelize
 
+        if self.tp_size > 1:
+            apply_1d(model, mesh.group("tp"), share_input_grad_sync=False)
         parallelize(model, "sequence", mesh.group("sp"), kind=self.sp_kind)
-        return SequenceParallel(model, mesh.group("sp"), self.sp_size), mesh.product_group("dp", "sp")
+        inner = GatherLogits(model, gather_fn("1d", mesh.group("tp"))) if self.tp_size > 1 else model
+        return SequenceParallel(inner, mesh.group("sp"), self.sp_size), mesh.product_group("dp", "sp")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The (tensor- or sequence-parallel) user module."""
-        model = model.module if isinstance(model, DDP) else model
-        return model.module if isinstance(model, (GatherLogits, SequenceParallel)) else model
+        """The (tensor- and/or sequence-parallel) user module."""
+        while isinstance(model, (DDP, GatherLogits, SequenceParallel)):
+            model = model.module
+        return model
 
     def no_sync(self, model: nn.Module, optimizer) -> contextlib.AbstractContextManager:
         """DDP's (or ZeRO's) ``no_sync`` over the dp (x sp) axis."""
@@ -177,7 +194,7 @@ class HybridParallelPlugin(Plugin):
         """1D: a tp DTensor; 2D/2.5D/3D: the gathered dense tensor; sequence parallel: as is."""
         if self._shards is not None:
             return self._shards.gather(name, local)
-        if self.sp_size > 1:
+        if self.tp_size == 1 and self.sp_size > 1:  # replicated
             return local
         dense = self._dense_shapes[name]
         dims = [d for d in range(local.dim()) if local.shape[d] != dense[d]]
@@ -235,6 +252,6 @@ class HybridParallelPlugin(Plugin):
         super().load_optimizer_state_dict(self.unwrap(model), optimizer, state)
 
     def __repr__(self) -> str:
-        axis, size = self._inner
-        mode = self.tp_mode if axis == "tp" else self.sp_kind
-        return f"HybridParallelPlugin({axis}_size={size}, {'tp_mode' if axis == 'tp' else 'sp_kind'}={mode!r})"
+        parts = [f"tp_size={self.tp_size}, tp_mode={self.tp_mode!r}"] if self.tp_size > 1 or self.sp_size == 1 else []
+        parts += [f"sp_size={self.sp_size}, sp_kind={self.sp_kind!r}"] if self.sp_size > 1 else []
+        return f"HybridParallelPlugin({', '.join(parts)})"
