@@ -1,8 +1,10 @@
-"""State: the full state dict loads into plain torch; a sharded checkpoint saved on 2 ranks resumes on 1."""
+"""State: the full state dict loads into plain torch; a sharded checkpoint saved on 2 ranks resumes on 1
+(chunks sharded, or kept gathered: then both ranks hold every slice and each is written once)."""
 
 import pathlib
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -15,10 +17,12 @@ from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 from colossal.gemini.checkpoint import load_sharded, save_sharded  # noqa: E402
 
 
-def _build(init, chunk_size, budget=100 << 20):
+def _build(init, chunk_size, budget=100 << 20, keep_gathered=False):
     model = GPT(GPTConfig())
     model.load_state_dict(init)
-    gem = GeminiDDP(model, placement="auto", device_memory_budget=budget, chunk_size=chunk_size)
+    gem = GeminiDDP(
+        model, placement="auto", device_memory_budget=budget, chunk_size=chunk_size, keep_gathered=keep_gathered
+    )
     return gem, GeminiOptimizer(torch.optim.AdamW(gem.parameters(), lr=1e-2), gem)
 
 
@@ -29,8 +33,8 @@ def _train(gem, opt, batches, rank=0, world=1):
         opt.step()
 
 
-def _save_on_two(path, init, batches):
-    gem, opt = _build(init, 8192, budget=700_000)
+def _save_on_two(path, init, batches, keep_gathered):
+    gem, opt = _build(init, 8192, budget=700_000, keep_gathered=keep_gathered)
     _train(gem, opt, batches, dist.get_rank(), dist.get_world_size())
     save_sharded(path, gem, opt)
 
@@ -46,10 +50,11 @@ def test_full_state_dict_loads_into_plain_torch():
         torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6)
 
 
-def test_sharded_checkpoint_saved_on_two_ranks_resumes_on_one(tmp_path):
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_sharded_checkpoint_saved_on_two_ranks_resumes_on_one(tmp_path, keep_gathered):
     batches = make_batches(4)
     init, ref_state, _ = train_reference(batches)
-    run_distributed(_save_on_two, 2, str(tmp_path / "ckpt"), init, batches[:2], timeout=120)
+    run_distributed(_save_on_two, 2, str(tmp_path / "ckpt"), init, batches[:2], keep_gathered, timeout=120)
     gem, opt = _build(init, 10240)  # another world size AND another chunk size
     load_sharded(str(tmp_path / "ckpt"), gem, opt)
     _train(gem, opt, batches[2:])

@@ -183,7 +183,8 @@ def _sharded_dict(optim, ddp) -> dict:
 
 
 def _dcp_kwargs(manager) -> dict:
-    return {"process_group": manager.group} if manager.sharded else {"no_dist": True}
+    # replicated (keep_gathered) ranks save the same keys: the planner writes each once
+    return {"process_group": manager.group} if manager.dp_size > 1 else {"no_dist": True}
 
 
 def save_sharded(path: str, model, optimizer=None) -> None:

@@ -68,11 +68,14 @@ class ChunkManager:
         device: DeviceTier,
         host: HostTier,
         group: ProcessGroup | None,
+        keep_gathered: bool = False,
     ):
         self.device, self.host = device, host
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.dp_size = dist.get_world_size(group) if dist.is_initialized() else 1  # data-parallel ranks
+        # chunks are split over world_size ranks: the data-parallel size, or 1 when kept gathered (plain DDP)
+        self.world_size = 1 if keep_gathered else self.dp_size
+        self.rank = dist.get_rank(group) if dist.is_initialized() and self.world_size > 1 else 0  # shard index
         self.dtype = dtype
         self.traffic = Traffic()
         self.grad_buffer_bytes = 0  # device bytes of live gradient buffers
@@ -142,6 +145,11 @@ class ChunkManager:
     def sharded(self) -> bool:
         """True when chunks are split over several data-parallel ranks."""
         return self.world_size > 1
+
+    @property
+    def replicated(self) -> bool:
+        """True when whole chunks are kept on several data-parallel ranks (gradients all-reduced)."""
+        return self.world_size == 1 and self.dp_size > 1
 
     # -- working-precision data ------------------------------------------------------------------------
     def device_bytes_to_fetch(self, chunk: Chunk) -> int:
@@ -237,7 +245,7 @@ class ChunkManager:
     # -- gradients -------------------------------------------------------------------------------------
     def direct_grad(self, chunk: Chunk) -> bool:
         """Unsharded chunk with its fp32 gradient shard on the device: gradients go straight there (no buffer)."""
-        return not self.sharded and chunk.o_tier == "device"
+        return self.dp_size == 1 and chunk.o_tier == "device"
 
     def add_grad(self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor) -> None:
         """Copy one parameter's gradient into the chunk's gradient buffer (allocated on first use)."""
@@ -256,7 +264,7 @@ class ChunkManager:
         self.grad_buffer_bytes += chunk.nbytes
 
     def reduce(self, chunk: Chunk) -> None:
-        """Start reducing the chunk's gradient buffer (reduce-scatter over the group when sharded)."""
+        """Start reducing the chunk's gradient buffer: reduce-scatter when sharded, all-reduce when replicated."""
         if self.direct_grad(chunk):
             chunk.pending = None
             return
@@ -266,6 +274,10 @@ class ChunkManager:
             if self.sharded:
                 chunk.pending = comm.reduce_scatter(
                     chunk.grad_buffer, "sum", self.group, async_op=True, tag="gemini.reduce_scatter"
+                )
+            elif self.replicated:
+                chunk.pending = comm.all_reduce(
+                    chunk.grad_buffer, "sum", self.group, async_op=True, tag="gemini.all_reduce"
                 )
             else:
                 chunk.pending = None
@@ -284,8 +296,8 @@ class ChunkManager:
             return
         grad = chunk.pending.wait() if chunk.pending is not None else chunk.grad_buffer
         chunk.pending = None
-        if self.sharded:
-            grad.div_(self.world_size)
+        if self.dp_size > 1:
+            grad.div_(self.dp_size)
         accumulate = chunk.grad_shard.add_ if chunk.has_grad else chunk.grad_shard.copy_  # no zeroing pass
         if chunk.o_tier == "device":
             accumulate(grad)

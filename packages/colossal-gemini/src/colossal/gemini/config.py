@@ -33,6 +33,10 @@ class GeminiConfig:
     """Data-parallel group the chunks are sharded over (``None``: the world when initialised)."""
     param_init_fn: Callable[[str, torch.Tensor], None] | None = None
     """Fills a meta-device parameter (by name) in place, chunk by chunk (lazy construction)."""
+    keep_gathered: bool = False
+    """Data parallelism without sharding (plain-DDP behaviour, for models whose states fit each rank):
+    every rank keeps whole chunks, gradients are all-reduced per chunk (asynchronously, overlapping
+    backward) and every rank steps every chunk. ``False``: chunks are sharded over the ranks (ZeRO-3)."""
     prefetch: int = 2
     """Sharded data parallelism, after warm-up: after an operator's chunks are gathered, start the
     all-gathers of the next ``prefetch`` distinct chunks of the traced order asynchronously, so they
@@ -54,6 +58,8 @@ class GeminiConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive int of elements, got {self.chunk_size!r}")
+        if not isinstance(self.keep_gathered, bool):
+            raise ValueError(f"keep_gathered must be a bool, got {self.keep_gathered!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {self.prefetch!r}")
         if self.device is None:

@@ -70,6 +70,7 @@ class GeminiDDP(nn.Module):
             device=DeviceTier(dev, self.config.device_memory_budget),
             host=HostTier(pin=dev.type == "cuda"),
             group=group if dist.is_initialized() else None,
+            keep_gathered=self.config.keep_gathered,
         )
         self._module_chunks = self._collect_module_chunks(module)
         self._check_setup()

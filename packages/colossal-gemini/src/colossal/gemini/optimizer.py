@@ -112,12 +112,19 @@ class GeminiOptimizer:
                 self.skipped_steps += 1
             else:
                 if self.max_grad_norm > 0:
-                    clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, group=self.manager.group)
+                    self._clip(grads)
                 self._inner_step()
             self.scaler.update(found_inf)
             self.zero_grad()
             self.model.end_iteration(None if found_inf else self)
             return not found_inf
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        m = self.manager
+        if m.replicated:  # every rank holds the same whole gradients: count them once
+            clip_grad_norm_([], self.max_grad_norm, self.norm_type, group=m.group, replicated=grads)
+        else:
+            clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, group=m.group)
 
     def _inner_step(self) -> None:
         for chunk in self.manager.chunks:
