@@ -1,10 +1,12 @@
-"""Evoformer trunk benchmark: inference unchunked vs chunked (vs chunked + in-place) vs DAP, and a
-checkpointed training step with DAP=1 vs DAP=2, in one run. Wall time and per-rank peak memory
+"""Evoformer trunk benchmark: inference unchunked vs chunked (vs chunked + in-place) vs DAP (with
+and without communication/compute overlap), and a checkpointed training step with DAP=1 vs DAP=2
+(overlapped and synchronous), in one run. Wall time and per-rank peak memory
 (RSS high-water mark; see fastfold.inference [Note: how memory is measured]). The peer of every
 ratio is the unchunked single-rank run of the same size, measured in the same run.
 
     python packages/fastfold/bench/bench_trunk.py                      # the issue's sizes
     python packages/fastfold/bench/bench_trunk.py --n-res 128 256 --chunk-size 32   # reduced
+    python packages/fastfold/bench/bench_trunk.py --n-res 128 --dap-only   # DAP overlap on/off only
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def _args():
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--train-n-res", type=int, default=128)
     p.add_argument("--train-steps", type=int, default=1)
+    p.add_argument("--dap-only", action="store_true", help="skip the chunked single-rank variants")
     return p.parse_args()
 
 
@@ -53,17 +56,18 @@ def _row(name, results, base=None):
 
 def _inference(a, n_res):
     dap, c = a.dap_size, a.chunk_size
-    variants = [
-        ("chunked", c, False, 1),
-        ("chunked+inplace", c, True, 1),
-        (f"dap{dap}", None, False, dap),
-        (f"dap{dap}+chunked+inplace", c, True, dap),
+    variants = [] if a.dap_only else [("chunked", c, False, 1, False), ("chunked+inplace", c, True, 1, False)]
+    variants += [
+        (f"dap{dap}", None, False, dap, False),
+        (f"dap{dap} no-overlap", None, False, dap, True),
+        (f"dap{dap}+chunked+inplace", c, True, dap, False),
     ]
     common = dict(n_seq=a.n_seq, n_res=n_res, blocks=a.blocks, c_m=a.c_m, c_z=a.c_z, repeats=a.repeats)
     base = _row("unchunked", run_trunk(TrunkSpec(**common, threads=a.threads)))
     rows = [base]
-    for name, chunk, inplace, d in variants:
-        spec = TrunkSpec(**common, chunk_size=chunk, inplace=inplace, dap_size=d, threads=max(1, a.threads // d))
+    for name, chunk, inplace, d, sync in variants:
+        threads = max(1, a.threads // d)
+        spec = TrunkSpec(**common, chunk_size=chunk, inplace=inplace, dap_size=d, threads=threads, no_overlap=sync)
         rows.append(_row(name, run_trunk(spec), base))
     return rows
 
@@ -71,8 +75,11 @@ def _inference(a, n_res):
 def _training(a):
     common = dict(n_seq=a.n_seq, n_res=a.train_n_res, blocks=a.blocks, c_m=a.c_m, c_z=a.c_z)
     base = _row("train dap1", run_training(TrunkSpec(**common, threads=a.threads), a.train_steps))
-    spec = TrunkSpec(**common, dap_size=a.dap_size, threads=max(1, a.threads // a.dap_size))
-    return [base, _row(f"train dap{a.dap_size}", run_training(spec, a.train_steps), base)]
+    rows = [base]
+    for suffix, sync in (("", False), (" no-overlap", True)):
+        spec = TrunkSpec(**common, dap_size=a.dap_size, threads=max(1, a.threads // a.dap_size), no_overlap=sync)
+        rows.append(_row(f"train dap{a.dap_size}{suffix}", run_training(spec, a.train_steps), base))
+    return rows
 
 
 def _print(title, rows):

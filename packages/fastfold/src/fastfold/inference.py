@@ -60,6 +60,9 @@ class TrunkSpec:
     """``torch.save``'d dict with ``m``, ``z`` and optional ``msa_mask``, ``pair_mask``."""
     dtype: str = "float32"
     """Compute dtype: float32, float64 or bfloat16."""
+    no_overlap: bool = False
+    """Run DAP's collectives synchronously (``Dap(overlap=False)``; same results) to measure or
+    debug the communication/compute overlap."""
 
     def __post_init__(self) -> None:
         for name in ("n_seq", "n_res", "blocks", "c_m", "c_z", "dap_size", "repeats"):
@@ -130,7 +133,7 @@ def _rank_main(spec: TrunkSpec) -> TrunkResult:
     torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // spec.dap_size))
     device = default_device()
     model, feats = _load(spec, device)
-    dap = Dap() if spec.dap_size > 1 else None
+    dap = Dap(overlap=not spec.no_overlap) if spec.dap_size > 1 else None
     args = (feats["m"], feats["z"], feats.get("msa_mask"), feats.get("pair_mask"))
     if spec.repeats > 1:
         run_evoformer(model, *args, chunk_size=spec.chunk_size, inplace=spec.inplace, dap=dap)

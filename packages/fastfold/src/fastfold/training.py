@@ -49,7 +49,7 @@ def _rank_train(spec, steps: int):
     from colossal.comm import default_device
 
     model, feats = _load(spec, default_device())
-    dap = Dap() if spec.dap_size > 1 else None
+    dap = Dap(overlap=not spec.no_overlap) if spec.dap_size > 1 else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     loss_fn = lambda m, z, s: m.pow(2).mean() + z.pow(2).mean() + s.pow(2).mean()
     train_step(model, feats, opt, loss_fn, dap=dap)  # warm-up

@@ -41,12 +41,12 @@ class EvoformerBlock(nn.Module):
             EVOFORMER_PAIR_ORDER,
         )
 
-    def _msa_stack(self, m, z, msa_mask, chunk_size, inplace, dap):
+    def _msa_stack(self, m, z, msa_mask, chunk_size, inplace, dap, draw):
         seq_mask = msa_mask if dap is None else dap.local(msa_mask, -2)
         res_mask = msa_mask if dap is None else dap.local(msa_mask, -1)
         with torch.profiler.record_function("fastfold::msa_att_row"):
             fn = lambda acc: self.msa_att_row(m, z, seq_mask, chunk_size, dap=dap, accumulate_into=acc, z_split_dim=-2)
-            m = residual_update(m, fn, self.msa_dropout, self.training, -3, inplace)
+            m = residual_update(m, fn, self.msa_dropout, self.training, -3, inplace, draw)
         if dap is not None:
             with torch.profiler.record_function("fastfold.dap::msa_seq_to_res"):
                 m = dap.all_to_all(m, -2, -3)  # [*, S, R_loc, c]
@@ -58,19 +58,21 @@ class EvoformerBlock(nn.Module):
             m = residual_update(m, fn, 0.0, self.training, None, inplace)
         return m, res_mask
 
-    def forward(self, m, z, msa_mask, pair_mask, chunk_size=None, inplace=False, dap=None):
+    def forward(self, m, z, msa_mask, pair_mask, chunk_size=None, inplace=False, dap=None, dropout=None):
         """``m`` [*, S, R, c_m] (S local under DAP), ``z`` [*, R, R, c_z] (columns local), masks whole
-        (padded) [*, S, R] and [*, R, R] -> new ``(m, z)`` in the same layouts."""
+        (padded) [*, S, R] and [*, R, R] -> new ``(m, z)`` in the same layouts. ``dropout``: a
+        :class:`fastfold.model.dropout.SharedDropout` (masks equal over the DAP group)."""
+        draw = dropout.start(m.device) if dropout is not None else None
         # [Note: overlapping the pair all-to-alls] (fastfold.parallel.dap): z moves to the row split
         # while the MSA stack runs; only the row-attention bias (position-wise) reads it before.
         pending_z = dap.all_to_all_async(z, -3, -2, PAIR_A2A_TAG) if dap is not None else None
-        m, res_mask = self._msa_stack(m, z, msa_mask, chunk_size, inplace, dap)
+        m, res_mask = self._msa_stack(m, z, msa_mask, chunk_size, inplace, dap, draw)
         z = pending_z.wait() if pending_z is not None else z  # [*, R_loc, R, c_z]
         with torch.profiler.record_function("fastfold::outer_product_mean"):
             fn = lambda acc: self.outer_product_mean(m, res_mask, chunk_size, dap=dap, accumulate_into=acc)
             z = residual_update(z, fn, 0.0, self.training, None, inplace)
         pending = dap.all_to_all_async(m, -3, -2) if dap is not None else None  # back to S local, overlapped
-        z = self.pair_stack(z, pair_mask, chunk_size, inplace, dap, layout="row", out_layout="col")
+        z = self.pair_stack(z, pair_mask, chunk_size, inplace, dap, "row", "col", draw)
         return (pending.wait() if pending is not None else m), z
 
 

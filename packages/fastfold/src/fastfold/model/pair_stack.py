@@ -30,11 +30,14 @@ _LAYOUT = {"tri_mul_out": "row", "tri_att_start": "row", "tri_mul_in": "col", "t
 _SHARED = {"tri_mul_out": -3, "tri_att_start": -3, "tri_mul_in": -2, "tri_att_end": -2}
 
 
-def residual_update(x: torch.Tensor, update: Callable, p: float, training: bool, shared_dim, inplace: bool):
-    """``x + dropout(update(None))``, or ``update(x)`` adding into ``x`` in place (inference)."""
+def residual_update(x: torch.Tensor, update: Callable, p: float, training: bool, shared_dim, inplace: bool, draw=None):
+    """``x + dropout(update(None))``, or ``update(x)`` adding into ``x`` in place (inference).
+    ``draw``: the block's shared mask drawer (see [Note: dropout under DAP]); else the global RNG."""
     if inplace:
         return update(x)
-    return bias_dropout_add(update(None), x, p, training, shared_dim)
+    u = update(None)
+    keep = draw(u, p, shared_dim) if draw is not None and training and p > 0.0 and shared_dim is not None else None
+    return bias_dropout_add(u, x, p, training, shared_dim, keep=keep)
 
 
 class PairStack(nn.Module):
@@ -49,13 +52,13 @@ class PairStack(nn.Module):
         self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_att, no_heads, inf)
         self.pair_transition = PairTransition(c_z, transition_n)
 
-    def _step(self, name, z, mask, chunk_size, inplace, dap, prepared):
+    def _step(self, name, z, mask, chunk_size, inplace, dap, prepared, draw):
         module = getattr(self, name)
         if name == "pair_transition":
             fn = lambda acc: module(z, mask, chunk_size, accumulate_into=acc)
             return residual_update(z, fn, 0.0, self.training, None, inplace)
         fn = lambda acc: module(z, mask, chunk_size, dap=dap, accumulate_into=acc, prepared=prepared)
-        return residual_update(z, fn, self.dropout, self.training, _SHARED[name], inplace)
+        return residual_update(z, fn, self.dropout, self.training, _SHARED[name], inplace, draw)
 
     def final_layout(self, layout: str = "row") -> str:
         """The DAP layout ``z`` is left in when it enters in ``layout`` and no layout is forced."""
@@ -71,10 +74,13 @@ class PairStack(nn.Module):
                 return dap.all_to_all_pipelined(z, -2, -3, mask, prepare)
             return dap.all_to_all_pipelined(z, -3, -2, mask, prepare)
 
-    def forward(self, z, pair_mask, chunk_size=None, inplace=False, dap=None, layout="row", out_layout="row"):
+    def forward(
+        self, z, pair_mask, chunk_size=None, inplace=False, dap=None, layout="row", out_layout="row", draw=None
+    ):
         """``z`` [*, R, R, c_z], ``pair_mask`` [*, R, R] (whole) -> new ``z``. Under DAP ``z`` has
         ``layout`` local ("row": dim -3, "col": dim -2) and is returned in ``out_layout``
-        (``None``: :meth:`final_layout`, saving the last switch)."""
+        (``None``: :meth:`final_layout`, saving the last switch). ``draw``: dropout masks shared
+        over the DAP group (``SharedDropout.start``; default: the global RNG)."""
         if layout not in ("row", "col") or out_layout not in ("row", "col", None):
             raise ValueError(f"layout must be 'row' or 'col' and out_layout also None; got {layout!r}, {out_layout!r}")
         for name in self.order:
@@ -84,7 +90,7 @@ class PairStack(nn.Module):
                 z, prepared = self._switch(name, z, mask, want, chunk_size, dap)
                 layout = want
             with torch.profiler.record_function(f"fastfold::{name}"):
-                z = self._step(name, z, mask, chunk_size, inplace, dap, prepared)
+                z = self._step(name, z, mask, chunk_size, inplace, dap, prepared, draw)
         if dap is not None and out_layout is not None and layout != out_layout:
             z = dap.all_to_all(z, -3, -2) if out_layout == "row" else dap.all_to_all(z, -2, -3)
         return z

@@ -7,6 +7,7 @@ from torch import nn
 
 from fastfold.chunk import check_chunk_size
 from fastfold.config import TemplatePairConfig
+from fastfold.model.dropout import draw_dropout_seed
 from fastfold.model.pair_stack import TEMPLATE_PAIR_ORDER, PairStack
 from fastfold.ops import LayerNorm
 from fastfold.parallel.dap import pad_axis
@@ -62,9 +63,12 @@ class TemplatePairStack(nn.Module):
             r_pad = dap.padded(n_res)
             t = dap.scatter(pad_axis(pad_axis(t, -3, r_pad), -2, r_pad), -3)
             mask = pad_axis(pad_axis(mask, -2, r_pad), -1, r_pad)
-        layout = "row"
-        for block in self.blocks:  # no switch back at the end of a block: the next one starts with it
-            t, layout = block(t, mask, chunk_size, inplace, dap, layout, None), block.final_layout(layout)
+        layout, drop = "row", [None] * len(self.blocks)
+        if self.training and self.config.dropout_rate > 0:
+            drop = draw_dropout_seed(len(self.blocks), n_res, t.device, dap)  # [Note: dropout under DAP]
+        for block, d in zip(self.blocks, drop):  # no switch back at a block's end: the next one starts with it
+            draw = d.start(t.device) if d is not None else None
+            t, layout = block(t, mask, chunk_size, inplace, dap, layout, None, draw), block.final_layout(layout)
         t = self.layer_norm(t)  # position-wise: applied to the local rows/columns under DAP
         if dap is not None:
             t = dap.gather_output(t, -3 if layout == "row" else -2)[..., :n_res, :n_res, :]

@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from fastfold.chunk import check_chunk_size
+from fastfold.model.dropout import draw_dropout_seed
 from fastfold.parallel.dap import pad_axis
 
 __all__ = ["check_trunk_inputs", "run_trunk"]
@@ -67,11 +68,14 @@ def run_trunk(blocks, m, z, msa_mask, pair_mask, cfg, chunk_size, inplace, dap, 
     if dap is not None:
         with torch.profiler.record_function("fastfold.dap::scatter"):
             m, z, msa_mask, pair_mask = _enter_dap(dap, m, z, msa_mask, pair_mask)
-    for block in blocks:
+    drop = [None] * len(blocks)
+    if any(b.training and (cfg.msa_dropout > 0 or cfg.pair_dropout > 0) for b in blocks):
+        drop = draw_dropout_seed(len(blocks), n_res, m.device, dap)  # [Note: dropout under DAP]
+    for block, d in zip(blocks, drop):
         if checkpoint and torch.is_grad_enabled():
-            m, z = _checkpoint(block, m, z, msa_mask, pair_mask, chunk_size, False, dap, use_reentrant=False)
+            m, z = _checkpoint(block, m, z, msa_mask, pair_mask, chunk_size, False, dap, d, use_reentrant=False)
         else:
-            m, z = block(m, z, msa_mask, pair_mask, chunk_size, inplace, dap)
+            m, z = block(m, z, msa_mask, pair_mask, chunk_size, inplace, dap, d)
     if dap is not None:
         with torch.profiler.record_function("fastfold.dap::gather"):
             m = dap.gather_output(m, -3)[..., :n_seq, :n_res, :]

@@ -79,14 +79,20 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _token_grad):
-        return ctx.pending.bwd_handle.wait(), None
+        grad = ctx.pending.bwd_handle.wait()
+        ctx.pending.bwd_handle = None  # free the collective's buffers
+        return grad, None
 
 
 class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, pending):
         ctx.pending = pending
-        return pending.fwd_handle.wait()
+        out = pending.fwd_handle.wait()
+        # The graph keeps ``pending`` until backward (also through checkpointed blocks, whose
+        # nodes outlive their saved tensors): drop the handle, it holds the send/receive buffers.
+        pending.fwd_handle = None
+        return out
 
     @staticmethod
     def backward(ctx, grad):
