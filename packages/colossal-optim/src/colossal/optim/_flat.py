@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FlatSpace", "flattenable"]
+__all__ = ["FlatSpace", "flattenable", "ADAM_MOMENTS"]
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def flattenable(p: Tensor) -> bool:
@@ -35,27 +37,54 @@ class FlatSpace:
         params: the parameters, all of one dtype.
         state: the optimizer's ``state`` mapping; existing entries are copied in, then replaced by views.
         master_dtype: dtype of the moments and of the master weights (the params' dtype: none kept).
+        align: every parameter starts at a multiple of ``align`` elements; the gaps (and the tail up
+            to a multiple of ``align``) stay zero in every buffer, so ``buffer.view(-1, align)`` rows
+            each belong to one parameter (see :class:`colossal.optim._segments.Segments`).
+        moments: the state keys kept in flat buffers (zero-initialised, master dtype).
+        step: keep a ``state["step"]`` tensor per parameter (the Adam family).
     """
 
-    def __init__(self, params: list[Tensor], state: dict[Tensor, dict[str, Any]], master_dtype: torch.dtype) -> None:
-        self.params = params
+    def __init__(
+        self,
+        params: list[Tensor],
+        state: dict[Tensor, dict[str, Any]],
+        master_dtype: torch.dtype,
+        *,
+        align: int = 1,
+        moments: tuple[str, ...] = ADAM_MOMENTS,
+        step: bool = True,
+    ) -> None:
+        self.params, self.align, self._step = params, align, step
         dtype = params[0].dtype
         sizes = [p.numel() for p in params]
-        total = sum(sizes)
-        self.param_flat = torch.empty(total, dtype=dtype)  # (N,) working weights
-        self.grad_flat = torch.zeros(total, dtype=dtype)  # (N,) gradients, param dtype
-        self.has_master = master_dtype != dtype
-        self.master_flat = torch.empty(total, dtype=master_dtype) if self.has_master else self.param_flat
-        self.grad_master = torch.empty(total, dtype=master_dtype) if self.has_master else self.grad_flat
-        self.exp_avg = torch.zeros(total, dtype=master_dtype)
-        self.exp_avg_sq = torch.zeros(total, dtype=master_dtype)
-        self._slices = []
-        offset = 0
+        self._slices, offset = [], 0
         for n in sizes:
             self._slices.append(slice(offset, offset + n))
-            offset += n
+            offset += -(-n // align) * align
+        total, self.padded = offset, offset != sum(sizes)
+        self.param_flat = torch.zeros(total, dtype=dtype)  # (N,) working weights
+        self.grad_flat = torch.zeros(total, dtype=dtype)  # (N,) gradients, param dtype
+        self.has_master = master_dtype != dtype
+        self.master_flat = torch.zeros(total, dtype=master_dtype) if self.has_master else self.param_flat
+        self.grad_master = torch.zeros(total, dtype=master_dtype) if self.has_master else self.grad_flat
+        self.moments = {key: torch.zeros(total, dtype=master_dtype) for key in moments}
         for p, sl in zip(params, self._slices):
             self._adopt(p, sl, state.setdefault(p, {}))
+
+    @property
+    def exp_avg(self) -> Tensor:
+        """The flat first moment (Adam family)."""
+        return self.moments["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> Tensor:
+        """The flat second moment (Adam family)."""
+        return self.moments["exp_avg_sq"]
+
+    @property
+    def slices(self) -> list[slice]:
+        """Each parameter's elements in the flat buffers."""
+        return self._slices
 
     def _adopt(self, p: Tensor, sl: slice, st: dict[str, Any]) -> None:
         view = self.param_flat[sl].view_as(p)
@@ -68,12 +97,13 @@ class FlatSpace:
             master = self.master_flat[sl].view_as(p)
             master.copy_(st["master"] if "master" in st else p.detach())
             st["master"] = master
-        for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+        for key, flat in self.moments.items():
             view = flat[sl].view_as(p)
             if key in st:
                 view.copy_(st[key])
             st[key] = view
-        st.setdefault("step", torch.zeros((), dtype=torch.float32))
+        if self._step:
+            st.setdefault("step", torch.zeros((), dtype=torch.float32))
 
     def intact(self) -> bool:
         """Whether every parameter still lives in ``param_flat`` (``p.data = ...`` or ``.to()`` moves it out)."""
@@ -86,11 +116,12 @@ class FlatSpace:
         """Make every ``p.grad`` a view of ``grad_flat`` (copying foreign ones in); fill ``grad_master``."""
         views = [self.grad_flat[sl] for sl in self._slices]
         foreign = [i for i, (p, v) in enumerate(zip(self.params, views)) if p.grad.data_ptr() != v.data_ptr()]
-        if len(foreign) == len(views) > 1:  # typical after zero_grad(set_to_none=True): one copy kernel
+        if (
+            len(foreign) == len(views) > 1 and not self.padded
+        ):  # typical after zero_grad(set_to_none=True): one copy kernel
             torch.cat([p.grad.reshape(-1) for p in self.params], out=self.grad_flat)
-        else:
-            for i in foreign:
-                views[i].view_as(self.params[i]).copy_(self.params[i].grad)
+        elif foreign:
+            torch._foreach_copy_([views[i] for i in foreign], [self.params[i].grad.reshape(-1) for i in foreign])
         for i in foreign:
             self.params[i].grad = views[i].view_as(self.params[i])
         if self.has_master:

@@ -10,6 +10,17 @@ all-reduce per step with :func:`colossal.optim.group_norm_reducer`), then ``_app
 reducer every parameter of every group enters the norm vector, with or without a gradient, so the
 vector has the same length and order on every rank (a parameter without a gradient contributes
 its weight norm and a zero update norm and is not updated).
+
+[Note: flat LAMB/LARS]
+With ``flatten=True`` (the default) the float32/float64 CPU parameters of a group are moved into
+flat buffers aligned to rows (``[Note: segments of an aligned flat buffer]``), as ``CPUAdam``
+does, so the elementwise passes are one kernel call over the whole group and the per-parameter
+norms and scalings are one call each, whatever the number of tensors. Only parameters alone in
+their storage are moved: a view into someone else's buffer (a ZeRO master shard) stays where it
+is, so that buffer keeps receiving the updates. Parameters that are not moved (accelerator,
+fp16/bf16, views, empty) and steps where some parameter of a flat space has no gradient go
+through the per-tensor path, with identical results up to the summation order of the norms.
+The state keys are the per-tensor path's (views of the flat buffers).
 """
 
 from __future__ import annotations
@@ -21,6 +32,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._flat import FlatSpace, flattenable
+from ._segments import ROW, Segments
+
 __all__ = [
     "LayerwiseOptimizer",
     "check_grad",
@@ -28,6 +42,7 @@ __all__ = [
     "trust_ratio",
     "sq_norms",
     "by_device_dtype",
+    "Flat",
 ]
 
 NormReducer = Callable[[Tensor], Tensor]
@@ -68,14 +83,75 @@ def trust_ratio(w_sq: Tensor, x_sq: Tensor, denom: Callable[[Tensor, Tensor], Te
     return torch.where((w_norm > 0) & (x_norm > 0), ratio, torch.ones_like(ratio))
 
 
+class Flat:
+    """One flat space of a group with its row index and a lazily allocated scratch buffer."""
+
+    def __init__(self, space: FlatSpace) -> None:
+        self.space, self.seg = space, Segments(space)
+        self._scratch: Tensor | None = None
+
+    def scratch(self) -> Tensor:
+        """A persistent buffer shaped like the space (a fresh one every step would page-fault)."""
+        if self._scratch is None:
+            self._scratch = torch.zeros_like(self.space.param_flat)
+        return self._scratch
+
+    def ready(self, positions: dict[int, int]) -> Tensor | None:
+        """Positions of the space's params among the step's params, or None unless all have a gradient."""
+        if not all(p.grad is not None and id(p) in positions for p in self.space.params):
+            return None
+        return torch.tensor([positions[id(p)] for p in self.space.params])
+
+
 class LayerwiseOptimizer(Optimizer):
     """Base class: runs ``_prepare`` over all groups, reduces the norms, runs ``_apply``."""
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], norm_reducer: NormReducer | None) -> None:
+    def __init__(
+        self, params: Iterable[Any], defaults: dict[str, Any], norm_reducer: NormReducer | None, flatten: bool = True
+    ) -> None:
         if norm_reducer is not None and not callable(norm_reducer):
             raise TypeError(f"norm_reducer must be callable or None, got {type(norm_reducer).__name__}")
         super().__init__(params, defaults)
         self.norm_reducer = norm_reducer
+        self.flatten = bool(flatten)
+        self._flats: dict[int, tuple[dict[str, Any], list[Flat]]] = {}  # id(group) -> (group, spaces)
+        self._own_storages: set[int] = set()  # data_ptr of the storages of our flat parameter buffers
+
+    def _flat_spaces(self, group: dict[str, Any], moments: tuple[str, ...], step: bool) -> list[Flat]:
+        """The group's flat spaces (built at first use, rebuilt if params moved); [] without flatten."""
+        if not self.flatten:
+            return []
+        entry = self._flats.get(id(group))
+        if (
+            entry is None
+            or entry[0] is not group
+            or not all(f.space.intact() and tuple(f.space.moments) == moments for f in entry[1])
+        ):
+            buckets: dict[torch.dtype, list[Tensor]] = {}
+            for p in group["params"]:
+                if self._may_flatten(p):
+                    buckets.setdefault(p.dtype, []).append(p)
+            flats = [
+                Flat(FlatSpace(ps, self.state, ps[0].dtype, align=ROW, moments=moments, step=step))
+                for ps in buckets.values()
+            ]
+            self._own_storages.update(f.space.param_flat.untyped_storage().data_ptr() for f in flats)
+            entry = self._flats[id(group)] = (group, flats)
+        return entry[1]
+
+    def _may_flatten(self, p: Tensor) -> bool:
+        """A float32/float64 CPU tensor alone in its storage, or in one of our flat buffers: never a
+        view into someone else's buffer (ZeRO/Gemini master shards), which must keep receiving the updates."""
+        if not (flattenable(p) and p.numel() and p.dtype in (torch.float32, torch.float64)):
+            return False
+        storage = p.untyped_storage()
+        alone = p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size()
+        return alone or storage.data_ptr() in self._own_storages
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict (of either layout); flat buffers are rebuilt from it at the next step."""
+        super().load_state_dict(state_dict)
+        self._flats.clear()
 
     def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Return the per-parameter tensors x (whose norm enters the ratio) and local ``[w_sq | x_sq]``."""

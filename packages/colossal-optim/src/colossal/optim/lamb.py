@@ -11,9 +11,12 @@ Per parameter ``w`` with gradient ``g`` at step ``t``::
 [Note: LAMB through the fused Adam kernel]
 ``r`` is exactly the step of Adam with learning rate 1, so ``u`` comes out of torch's fused Adam
 kernel (``torch._fused_adam_``, CPU and CUDA) run on a scratch buffer holding
-``weight_decay * w`` with ``lr=-1``: one pass reads g, m, v, u and writes m, v, u. Without bias
-correction the kernel is handed a huge step count, for which ``1 - b^t`` is exactly 1. Then come
-the per-tensor norms (``torch._foreach_norm``) and one ``w += -lr * ratio * u`` pass.
+``weight_decay * w`` (or zeros) with ``lr=-1``: one pass reads g, m, v, u and writes m, v, u.
+Without bias correction the kernel is handed a huge step count, for which ``1 - b^t`` is exactly
+1. Then come the per-tensor squared norms of w and u and one ``w += -lr * ratio * u`` pass. On
+flat buffers (``[Note: flat LAMB/LARS]``) each of these four passes is one kernel call for the
+whole group: ``u = wd * w`` (8 bytes per fp32 element), the fused Adam pass (28), the two
+row-wise norms (8), the broadcast ``addcmul_`` (12): 56 bytes per element against Adam's 28.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ._flat import ADAM_MOMENTS
 from ._layerwise import (
+    Flat,
     LayerwiseOptimizer,
     NormReducer,
     by_device_dtype,
@@ -58,6 +63,9 @@ class Lamb(LayerwiseOptimizer):
         norm_reducer: for sharded parameters, maps this rank's per-parameter squared norms to the
             whole parameters' (``colossal.optim.group_norm_reducer(group)``); see
             ``[Note: sharded trust ratios]``.
+        flatten: move float32/float64 CPU parameters into flat buffers (``[Note: flat
+            LAMB/LARS]``); False keeps every tensor where it is (needed when the parameters are
+            views of someone else's storage, e.g. ZeRO/Gemini shards).
     """
 
     def __init__(
@@ -72,13 +80,14 @@ class Lamb(LayerwiseOptimizer):
         adam: bool = False,
         trust_ratio: bool = True,
         norm_reducer: NormReducer | None = None,
+        flatten: bool = True,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             adam=adam, trust_ratio=trust_ratio,
         )  # fmt: skip
-        super().__init__(params, defaults, norm_reducer)
+        super().__init__(params, defaults, norm_reducer, flatten)
         self._scratch = WeakTensorKeyDictionary()  # param -> update buffer u
 
     def _update_buffer(self, p: Tensor) -> Tensor:
@@ -97,36 +106,83 @@ class Lamb(LayerwiseOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[list[Tensor | None], Tensor]:
+    def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[tuple, Tensor]:
+        for p in params:
+            if p.grad is not None:
+                check_grad(p, "Lamb")
+        device = params[0].device if params else torch.device("cpu")
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        w_sq, u_sq = torch.zeros(2, len(params), dtype=dtype, device=device)
+        positions, flat_plans, done = {id(p): i for i, p in enumerate(params)}, [], set()
+        for flat in self._flat_spaces(group, ADAM_MOMENTS, step=True) if group["eps"] > 0 else []:
+            idx = flat.ready(positions)
+            if idx is None or (u := self._flat_moments(group, flat)) is None:
+                continue
+            w_sq[idx.to(device)] = flat.seg.sq_norms(flat.space.param_flat).to(device, dtype)
+            u_sq[idx.to(device)] = flat.seg.sq_norms(u).to(device, dtype)
+            flat_plans.append((flat, idx, u))
+            done.update(id(p) for p in flat.space.params)
+        rest = [i for i, p in enumerate(params) if id(p) not in done]
+        us = self._tensor_moments(group, [params[i] for i in rest])
+        if rest:
+            index = torch.tensor(rest, device=device)
+            w_sq[index] = sq_norms([params[i] for i in rest], device).to(dtype)
+            u_sq[index] = sq_norms(us, device).to(dtype)
+        return (flat_plans, rest, us), torch.cat([w_sq, u_sq])
+
+    def _steps(self, group: dict[str, Any], steps: list[Tensor], device: torch.device) -> list[Tensor]:
+        torch._foreach_add_(steps, 1.0)
+        if not group["bias_correction"]:
+            return [torch.full((), _NO_BIAS_CORRECTION_STEP, device=device)] * len(steps)
+        return steps
+
+    def _adam(self, group: dict[str, Any], us, grads, exp_avgs, exp_avg_sqs, steps) -> None:
         beta1, beta2 = group["betas"]
+        torch._fused_adam_(
+            us, grads, exp_avgs, exp_avg_sqs, [], steps, lr=-1.0, beta1=beta1, beta2=beta2, weight_decay=0.0,
+            eps=group["eps"], amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    def _flat_moments(self, group: dict[str, Any], flat: Flat) -> Tensor | None:
+        """Moments and ``u`` of a whole flat space in one pass each; None if the step counts differ."""
+        space = flat.space
+        steps = [self.state[p]["step"] for p in space.params]
+        if len(steps) > 1 and not bool((torch.stack(steps) == steps[0]).all()):
+            return None  # some parameters skipped steps: the per-tensor path handles them
+        step = self._steps(group, steps, torch.device("cpu"))[:1]
+        space.gather_grads()
+        u = flat.scratch()
+        torch.mul(space.param_flat, group["weight_decay"], out=u) if group["weight_decay"] else u.zero_()
+        self._adam(group, [u], [space.grad_flat], [space.exp_avg], [space.exp_avg_sq], step)
+        return u
+
+    def _tensor_moments(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor | None]:
+        """The per-tensor path: ``u`` per parameter (None without a gradient)."""
         us: list[Tensor | None] = [None] * len(params)
         live = [i for i, p in enumerate(params) if p.grad is not None]
-        for i in live:
-            check_grad(params[i], "Lamb")
         for (device, _), idx in by_device_dtype(live, params).items():
             ps = [params[i] for i in idx]
             states = [self._state(p) for p in ps]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            if not group["bias_correction"]:
-                steps = [torch.full((), _NO_BIAS_CORRECTION_STEP, device=device)] * len(ps)
+            steps = self._steps(group, [s["step"] for s in states], device)
             for i, p in zip(idx, ps):
                 us[i] = u = self._update_buffer(p)
                 torch.mul(p, group["weight_decay"], out=u) if group["weight_decay"] else u.zero_()
-            torch._fused_adam_(
-                [us[i] for i in idx], [p.grad for p in ps], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [], steps, lr=-1.0, beta1=beta1, beta2=beta2,
-                weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False,
-            )  # fmt: skip
-        device = params[0].device if params else torch.device("cpu")
-        return us, torch.cat([sq_norms(list(params), device), sq_norms(us, device)])
+            grads, exp_avgs, exp_avg_sqs = (
+                [p.grad for p in ps],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+            )
+            self._adam(group, [us[i] for i in idx], grads, exp_avgs, exp_avg_sqs, steps)
+        return us
 
-    def _apply(self, group: dict[str, Any], params: list[Tensor], us: list, w_sq: Tensor, u_sq: Tensor) -> None:
+    def _apply(self, group: dict[str, Any], params: list[Tensor], plan: tuple, w_sq: Tensor, u_sq: Tensor) -> None:
+        flat_plans, rest, us = plan
         if group["trust_ratio"] and not group["adam"]:
-            ratio = trust_ratio(w_sq, u_sq, lambda w_norm, u_norm: u_norm)
-            scales = (ratio * -float(group["lr"])).tolist()
+            scales = trust_ratio(w_sq, u_sq, lambda w_norm, u_norm: u_norm) * -float(group["lr"])
         else:
-            scales = [-float(group["lr"])] * len(params)
-        for p, u, scale in zip(params, us, scales):
+            scales = torch.full_like(w_sq, -float(group["lr"]))
+        for flat, idx, u in flat_plans:
+            flat.seg.add_scaled_(flat.space.param_flat, u, scales.cpu()[idx])
+        for i, u, scale in zip(rest, us, scales[rest].tolist() if rest else []):
             if u is not None:
-                p.add_(u, alpha=scale)
+                params[i].add_(u, alpha=scale)

@@ -40,6 +40,9 @@ class Lars(LayerwiseOptimizer):
         eps: added to the trust ratio's denominator.
         trust_ratio: default of the per-group switch of the trust ratio.
         norm_reducer: for sharded parameters (see ``[Note: sharded trust ratios]``).
+        flatten: move float32/float64 CPU parameters (and momentum buffers) into flat buffers, so
+            the norms are one call per group (``[Note: flat LAMB/LARS]``); False keeps every
+            tensor where it is (needed when the parameters are views of someone else's storage).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class Lars(LayerwiseOptimizer):
         eps: float = 1e-8,
         trust_ratio: bool = True,
         norm_reducer: NormReducer | None = None,
+        flatten: bool = True,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -65,15 +69,32 @@ class Lars(LayerwiseOptimizer):
         if not eps >= 0.0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, eps=eps, trust_ratio=trust_ratio)
-        super().__init__(params, defaults, norm_reducer)
+        super().__init__(params, defaults, norm_reducer, flatten)
 
     def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[list[Tensor | None], Tensor]:
-        grads = [p.grad for p in params]
         for p in params:
             if p.grad is not None:
                 check_grad(p, "Lars")
         device = params[0].device if params else torch.device("cpu")
-        return grads, torch.cat([sq_norms(list(params), device), sq_norms(grads, device)])
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        w_sq, g_sq = torch.zeros(2, len(params), dtype=dtype, device=device)
+        positions, done = {id(p): i for i, p in enumerate(params)}, set()
+        moments = ("momentum_buffer",) if group["momentum"] else ()
+        for flat in self._flat_spaces(group, moments, step=False):
+            idx = flat.ready(positions)
+            if idx is None:
+                continue
+            flat.space.gather_grads()  # every p.grad becomes a view of the flat gradient buffer
+            w_sq[idx.to(device)] = flat.seg.sq_norms(flat.space.param_flat).to(device, dtype)
+            g_sq[idx.to(device)] = flat.seg.sq_norms(flat.space.grad_flat).to(device, dtype)
+            done.update(id(p) for p in flat.space.params)
+        grads = [p.grad for p in params]
+        rest = [i for i, p in enumerate(params) if id(p) not in done]
+        if rest:
+            index = torch.tensor(rest, device=device)
+            w_sq[index] = sq_norms([params[i] for i in rest], device).to(dtype)
+            g_sq[index] = sq_norms([grads[i] for i in rest], device).to(dtype)
+        return grads, torch.cat([w_sq, g_sq])
 
     def _apply(self, group: dict[str, Any], params: list[Tensor], grads: list, w_sq: Tensor, g_sq: Tensor) -> None:
         lr, wd, momentum = float(group["lr"]), float(group["weight_decay"]), float(group["momentum"])
@@ -100,7 +121,7 @@ class Lars(LayerwiseOptimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["scale"] = 1.0
-        buf, prev = state["momentum_buffer"], float(state["scale"])
+        buf, prev = state["momentum_buffer"], float(state.get("scale", 1.0))  # a flat buffer starts without
         if scale == 0.0:  # v_t = m v_(t-1): decay b, keep its scale
             buf.mul_(momentum)
             p.sub_(buf, alpha=prev)
