@@ -37,6 +37,10 @@ class GeminiConfig:
     """Data parallelism without sharding (plain-DDP behaviour, for models whose states fit each rank):
     every rank keeps whole chunks, gradients are all-reduced per chunk (asynchronously, overlapping
     backward) and every rank steps every chunk. ``False``: chunks are sharded over the ranks (ZeRO-3)."""
+    example_inputs: tuple | torch.Tensor | None = None
+    """Positional inputs of one forward call: when given, the forward runs once at construction on the
+    meta device (no memory, no compute) and parameters are packed into chunks in the order modules
+    first use them (see ``[Note: packing in first-use order]``); ``None`` packs in registration order."""
     prefetch: int = 2
     """Sharded data parallelism, after warm-up: after an operator's chunks are gathered, start the
     all-gathers of the next ``prefetch`` distinct chunks of the traced order asynchronously, so they
@@ -60,6 +64,11 @@ class GeminiConfig:
             raise ValueError(f"chunk_size must be a positive int of elements, got {self.chunk_size!r}")
         if not isinstance(self.keep_gathered, bool):
             raise ValueError(f"keep_gathered must be a bool, got {self.keep_gathered!r}")
+        if isinstance(self.example_inputs, torch.Tensor):
+            self.example_inputs = (self.example_inputs,)
+        if self.example_inputs is not None and not isinstance(self.example_inputs, (tuple, list)):
+            kind = type(self.example_inputs).__name__
+            raise TypeError(f"example_inputs must be a tuple of positional inputs or a tensor, got {kind}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {self.prefetch!r}")
         if self.device is None:

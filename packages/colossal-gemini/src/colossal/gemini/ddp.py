@@ -32,6 +32,7 @@ from colossal.gemini import checkpoint, events
 from colossal.gemini.chunk import Chunk, TensorState
 from colossal.gemini.chunk_manager import ChunkManager
 from colossal.gemini.config import GeminiConfig
+from colossal.gemini.order import first_use_order
 from colossal.gemini.placement import WarmupPolicy
 from colossal.gemini.prefetch import Prefetcher
 from colossal.gemini.stats import GeminiStats
@@ -56,6 +57,8 @@ class GeminiDDP(nn.Module):
         self.config = GeminiConfig(**kwargs)
         self.module = module
         params = list(dict.fromkeys(module.parameters()))
+        if self.config.example_inputs is not None:
+            params = first_use_order(module, params, self.config.example_inputs)
         if any(not p.requires_grad for p in params):
             raise NotImplementedError("frozen parameters are not supported: every parameter must require grad")
         names = {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
