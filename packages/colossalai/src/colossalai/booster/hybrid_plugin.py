@@ -59,7 +59,7 @@ class HybridParallelPlugin(Plugin):
     ``HybridParallelPlugin(tp_size=2, sp_size=2)``: both (1D tensor parallelism inside each
     sequence chunk), data parallel across ``tp_size * sp_size`` ranks.
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
-    ``colossal.zero`` instead of DDP (clipping then needs ``tp_size=1``). Not supported
+    ``colossal.zero`` instead of DDP. Not supported
     (``NotImplementedError``): sp with 2D/2.5D/3D, ``zero_stage=3``, fp16 (its overflow check
     would have to be agreed over the tp group); fp32 and bf16 are.
     """
@@ -143,8 +143,7 @@ class HybridParallelPlugin(Plugin):
             wrapped, ddp_group = self._sequence(model, mesh) if self.sp_size > 1 else self._tensor(model, mesh)
         rebind_optimizer(optimizer, names, model)
         if self.zero_stage:  # ZeRO reduces (and shards) over the dp (x sp) group in place of DDP
-            self._zero, self._zero_names = zero_engine(model, optimizer, self.zero_stage, ddp_group)
-            return wrapped, HybridZeroOptimizer(self._zero, self.tp_size)
+            return wrapped, self._zero_optimizer(model, optimizer, ddp_group)
         if optimizer is not None:
             axis, size = self._inner
             replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
@@ -153,6 +152,15 @@ class HybridParallelPlugin(Plugin):
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DDP(wrapped, device_ids=ids, process_group=ddp_group)
         return wrapped, optimizer
+
+    def _zero_optimizer(self, model: nn.Module, optimizer, group) -> HybridZeroOptimizer:
+        """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp)."""
+        self._zero, self._zero_names = zero_engine(model, optimizer, self.zero_stage, group)
+        if self.tp_size == 1:  # ZeRO's own clip spans every rank
+            return HybridZeroOptimizer(self._zero)
+        shapes, tp = self._dense_shapes, self.tp_size
+        replicas = {id(p): multiplicity(p, shapes[n], tp) for n, p in model.named_parameters()}
+        return HybridZeroOptimizer(self._zero, replicas, group=None)  # None: the default group, the world
 
     def _tensor(self, model: nn.Module, mesh):
         from colossal.tensor_parallel import parallelize

@@ -4,9 +4,22 @@ over the ``dp`` group, or ``dp x sp`` for sequence parallelism), in place of DDP
 Each tensor-parallel rank runs its own ZeRO engine over its dp peers, who hold the same tp block.
 ZeRO's gathered state (name-keyed, as the ZeroPlugin writes it) is of the tp-local model; the
 hybrid plugin then makes it portable over tp exactly as without ZeRO.
+
+[Note: clipping tensor-parallel ZeRO shards]
+ZeRO clips over its own group only, which under tensor parallelism misses the other tp blocks and
+counts a tp-replicated parameter (1D LayerNorms, 2.5D depth copies) once per tp rank. So under
+tp the plugin leaves ZeRO's ``max_grad_norm`` unset and clips in a step pre-hook of the inner
+torch optimizer: ZeRO calls that optimizer's ``step()`` with the reduced, unscaled, averaged shard
+gradients on its fp32 masters. Each master element belongs to one parameter
+(``FlatParam.slices()``); an element of a parameter that ``m`` tp ranks hold is weighted by
+``m^(-1/p)``, and ``colossal.optim.grad_norm`` sums over the whole ``dp (x sp) x tp`` world, where
+every (dp-sharded, tp-blocked) element then counts once: the norm of the dense gradients.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -16,21 +29,54 @@ __all__ = ["HybridZeroOptimizer", "zero_engine"]
 
 
 class HybridZeroOptimizer(ZeroBoostedOptimizer):
-    """The ZeroPlugin's optimizer view; clipping is refused under tensor parallelism, where ZeRO's
-    norm (over its dp shards only) would miss the tp shards."""
+    """The ZeroPlugin's optimizer view. Without tensor parallelism ZeRO clips itself; with it
+    (``replicas``: parameter id -> how many tp ranks hold each of its elements) the clip is done
+    by this class, over ``group`` (every rank), see ``[Note: clipping tensor-parallel ZeRO shards]``."""
 
-    def __init__(self, zero, tp_size: int) -> None:
+    def __init__(self, zero, replicas: dict[int, int] | None = None, group=None) -> None:
         super().__init__(zero)
-        self.tp_size = tp_size
+        self.replicas, self.norm_group = replicas, group
+        self._pending: tuple[float, float] | None = None  # (max_norm, norm_type) for the next step
+        if replicas is not None:
+            self._hook = zero.optimizer.register_step_pre_hook(self._clip_before_step)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Clip inside the next ``step()`` (sequence / data parallel only); returns None."""
-        if self.tp_size > 1:
-            raise NotImplementedError(
-                "HybridParallelPlugin clips with zero_stage > 0 only when tp_size=1 (sequence/data parallel); "
-                f"got tp_size={self.tp_size} (use zero_stage=0 to clip under tensor parallelism)"
-            )
-        super().clip_grad_norm(max_norm, norm_type)
+        """Clip inside the next ``step()`` by the dense gradient norm; returns None — read
+        ``engine.last_grad_norm`` after the step."""
+        if self.replicas is None:
+            return super().clip_grad_norm(max_norm, norm_type)
+        self._pending = (float(max_norm), float(norm_type))
+
+    def _weighted_grads(self, p: float) -> list[torch.Tensor]:
+        out = []
+        for flat in self.engine.flats:
+            grad = None if flat.master is None else flat.master.grad
+            if grad is None:
+                continue
+            weights = torch.ones_like(grad)  # the padding's gradient is zero
+            for s in flat.slices():
+                m = self.replicas[id(flat.params[s.index])]
+                if m > 1 and p != math.inf:  # a max is not changed by duplicates
+                    weights[s.shard_start : s.shard_start + s.numel] = m ** (-1.0 / p)
+            out.append(grad * weights)
+        return out
+
+    def _clip_before_step(self, optimizer, args, kwargs) -> None:
+        """ZeRO's masters hold their final gradients: clip them by the dense norm."""
+        if self._pending is None:
+            return
+        from colossal.comm import all_reduce
+        from colossal.optim import grad_norm
+
+        (max_norm, p), self._pending = self._pending, None
+        with torch.profiler.record_function("colossalai.booster::hybrid_zero_clip"):
+            reduce = functools.partial(all_reduce, tag="hybrid.zero.grad_norm")
+            total = grad_norm(self._weighted_grads(p), p, group=self.norm_group, all_reduce=reduce)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for flat in self.engine.flats:
+                if flat.master is not None and flat.master.grad is not None:
+                    flat.master.grad.mul_(coef.to(flat.master.grad.device))
+        self.engine.last_grad_norm = total
 
 
 def zero_engine(model, optimizer, stage: int, group):
