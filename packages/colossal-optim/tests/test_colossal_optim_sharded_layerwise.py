@@ -87,3 +87,17 @@ def test_reducer_uses_whole_parameter_norm():
     ratio = 13.0 / 3**0.5  # ||w|| = 13 over both ranks, ||g|| = sqrt(3)
     assert out[0] == pytest.approx(3.0 - ratio, rel=1e-6)
     assert out[1] == pytest.approx(12.0 - ratio, rel=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Lamb, Lars])
+def test_views_of_an_engine_buffer_are_never_moved(cls):
+    # ZeRO hands a parameter that fills its whole master shard as ``master[0:n]``: flattening must
+    # leave such views in place, or the updates would no longer reach the engine's buffer.
+    master = torch.randn(12)
+    whole, part = master[0:12], torch.randn(20)[2:7]
+    for view in (whole, part):
+        before = view.clone()
+        view.grad = torch.randn_like(view)
+        cls([view], lr=0.1).step()
+        assert view._base is not None and not torch.equal(view, before)
+    assert torch.equal(master, whole)  # the update landed in the base buffer

@@ -34,6 +34,14 @@ def make_optimizer(model, kind: str = "adamw", lr: float = 1e-2):
         from colossal.optim import HybridAdam
 
         return HybridAdam(groups, lr=lr)
+    if kind == "lamb":
+        from colossal.optim import Lamb
+
+        return Lamb(groups, lr=lr)
+    if kind == "lars":
+        from colossal.optim import Lars
+
+        return Lars(groups, lr=lr * 10, momentum=0.9)
     raise ValueError(kind)
 
 

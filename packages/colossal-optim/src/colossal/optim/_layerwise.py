@@ -145,7 +145,9 @@ class LayerwiseOptimizer(Optimizer):
         if not (flattenable(p) and p.numel() and p.dtype in (torch.float32, torch.float64)):
             return False
         storage = p.untyped_storage()
-        alone = p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size()
+        # A view (``_base`` set) belongs to its base even when it spans all of it (ZeRO hands a
+        # parameter that fills a whole master shard as ``master[0:n]``): never move it.
+        alone = p._base is None and p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size()
         return alone or storage.data_ptr() in self._own_storages
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

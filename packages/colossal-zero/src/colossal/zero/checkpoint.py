@@ -71,7 +71,7 @@ def full_optimizer_state_dict(zero: ZeroOptimizer) -> dict:
     index, state = _param_index(zero), {}
     for flat in (f for f in zero.flats if f.master is not None):
         per = [{} for _ in flat.params]
-        for key, v in zero.optimizer.state.get(flat.master, {}).items():
+        for key, v in zero._flat_state(flat).items():
             full = _gather_full(zero, v) if _is_shard(flat, v) else None
             for d, off, n, shape in zip(per, flat.offsets, flat.numels, flat.shapes, strict=True):
                 d[key] = full[off : off + n].view(shape).clone() if full is not None else _copy(v)
@@ -135,7 +135,7 @@ def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> Non
                 new[key] = flat.local(full).clone().to(flat.master.device)
             else:
                 new[key] = _copy(v0)
-        zero.optimizer.state[flat.master] = new
+        zero._set_flat_state(flat, new)
     if "loss_scaler" in state_dict:
         zero.scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -145,7 +145,7 @@ def save_sharded(zero: ZeroOptimizer, path: str) -> None:
     sd: dict[str, torch.Tensor] = {}
     for flat in zero.flats:
         vals = _values(flat).detach().float().cpu()
-        state = zero.optimizer.state.get(flat.master, {}) if flat.master is not None else {}
+        state = zero._flat_state(flat) if flat.master is not None else {}
         for s in flat.slices():
             name, lo = flat.names[s.index], s.shard_start
             sd[f"model/{name}@{s.param_start}"] = vals[lo : lo + s.numel].clone()
@@ -219,4 +219,4 @@ def _load_flat_state(zero: ZeroOptimizer, flat: FlatParam, chunks: dict, loaded:
         return
     state = {k: _assemble(flat, f"optim/{{}}/{k}", chunks, loaded).to(flat.master.device) for k in keys}
     state.update({k: loaded[f"optim/{name0}/{k}"].clone() for k in scalars})
-    zero.optimizer.state[flat.master] = state
+    zero._set_flat_state(flat, state)

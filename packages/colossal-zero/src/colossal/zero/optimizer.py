@@ -25,6 +25,7 @@ from colossal.comm import all_reduce, broadcast, group_ranks, register_observer
 from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
 from colossal.zero import _events, checkpoint
 from colossal.zero._flat_param import FlatParam
+from colossal.zero._layerwise import ParamShardViews, is_layerwise
 from colossal.zero._reducer import GradReducer
 from colossal.zero._validate import validate
 from colossal.zero.config import ZeroConfig
@@ -72,8 +73,13 @@ class ZeroOptimizer:
         self.flats, self.units = self._build_flats()
         for flat in self.flats:
             self._materialize(flat)
+        # LAMB/LARS get per-parameter views of the masters ([Note: layer-wise optimizers]).
+        self._views = ParamShardViews(optimizer, self.flats, cfg.group) if is_layerwise(optimizer) else None
         for gi, group in enumerate(optimizer.param_groups):
-            group["params"] = [f.master for f in self.flats if f.group_index == gi]
+            if self._views is not None:
+                group["params"] = self._views.group_params(gi)
+            else:
+                group["params"] = [f.master for f in self.flats if f.group_index == gi]
         self.reducer = GradReducer(self._reduce_order(), self._reduce_group, cfg.replicate_group, cfg.stage == 1,
                                    cfg.max_inflight)  # fmt: skip
         self.engine = Stage3Engine(self.units, cfg.group, cfg.prefetch, cfg.reshard_root) if cfg.stage == 3 else None
@@ -184,11 +190,33 @@ class ZeroOptimizer:
                     group=self.config.group,
                     all_reduce=functools.partial(all_reduce, tag="zero.grad_norm"),
                 )
-            self.optimizer.step()
+            self._optimizer_step()
             self.scaler.update(False)
             self._publish_params()
             self._finish_step()
             return True
+
+    def _optimizer_step(self) -> None:
+        if self._views is None:
+            self.optimizer.step()
+            return
+        self._views.attach_grads()
+        try:
+            self.optimizer.step()
+        finally:
+            self._views.detach_grads()
+
+    def _flat_state(self, flat: FlatParam) -> dict:
+        """The optimizer state of ``flat``'s master shard (element-wise layout, as checkpoints hold it)."""
+        if self._views is not None:
+            return self._views.flat_state(flat)
+        return self.optimizer.state.get(flat.master, {})
+
+    def _set_flat_state(self, flat: FlatParam, state: dict) -> None:
+        if self._views is not None:
+            self._views.set_flat_state(flat, state)
+        else:
+            self.optimizer.state[flat.master] = state
 
     def _master_grads(self) -> list[torch.Tensor]:
         """fp32 ``.grad`` of every master: the reduced shard sums (moved to the CPU when offloading)."""
@@ -253,8 +281,14 @@ class ZeroOptimizer:
             add("grads", flat.shard_grad)
             if flat.master is not None and not flat.master_aliased:
                 add("optimizer_states", flat.master)
-            for v in self.optimizer.state.get(flat.master, {}).values() if flat.master is not None else ():
-                add("optimizer_states", v if isinstance(v, torch.Tensor) else None)
+            if flat.master is None:
+                continue
+            if self._views is not None:
+                states = self._views.state_tensors(flat)
+            else:
+                states = [v for v in self.optimizer.state.get(flat.master, {}).values() if torch.is_tensor(v)]
+            for v in states:
+                add("optimizer_states", v)
         return {k: dict(v) for k, v in out.items()}
 
     # -- state ----------------------------------------------------------------------------------
