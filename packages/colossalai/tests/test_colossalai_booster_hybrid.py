@@ -14,7 +14,7 @@ import torch
 from colossalai_harness import boosted_losses, boosted_setup, criterion, make_model_and_optim, reference_losses
 
 from colossal.comm.testing import run_distributed
-from colossalai import HybridParallelPlugin, TorchDDPPlugin
+from colossalai import Booster, HybridParallelPlugin, TorchDDPPlugin
 
 STEPS = 3
 LAYOUTS = [  # (world, plugin kwargs): every mode, with dp where the world allows it
@@ -88,6 +88,42 @@ def test_hybrid_clips_by_the_dense_gradient_norm(world, kwargs, norm_type):
         assert after == pytest.approx(1e-3, rel=1e-4)
 
 
+def _fp16_losses(kwargs):
+    booster, model, optim, loader = boosted_setup(HybridParallelPlugin(**kwargs), precision="fp16")
+    return boosted_losses(booster, model, optim, loader, STEPS), optim.scaler.scale
+
+
+FP16 = [(2, dict(tp_size=2)), (4, dict(tp_size=2, sp_size=2)), (4, dict(tp_size=4, tp_mode="2d"))]
+
+
+@pytest.mark.parametrize("world,kwargs", FP16, ids=["tp2", "sp2xtp2", "2d-tp4"])
+def test_hybrid_fp16_trains_and_tracks_fp32(world, kwargs):
+    """fp16 autocast with dynamic loss scaling: losses within 3e-2 relative of fp32 (the fp16
+    forward's rounding on this tiny model, as for DDP), and the scale stays above 1."""
+    ref = torch.tensor(reference_losses(STEPS))
+    for losses, scale in run_distributed(_fp16_losses, world, kwargs, timeout=180):
+        torch.testing.assert_close(torch.tensor(losses), ref, rtol=3e-2, atol=0)
+        assert scale > 1.0
+
+
+def _overflow_on_one_rank(kwargs):
+    booster, model, optim, loader = boosted_setup(HybridParallelPlugin(**kwargs), precision="fp16")
+    x, y = next(iter(loader))
+    booster.backward(criterion(model(x), y), optim)
+    param = next(booster.plugin.unwrap(model.module).parameters())
+    if torch.distributed.get_rank() == 1:  # only this tp rank's block overflows
+        param.grad.view(-1)[0] = float("inf")
+    before = param.detach().clone()
+    optim.step()
+    return optim.last_step_skipped, optim.scaler.scale, torch.equal(param.detach(), before)
+
+
+def test_hybrid_fp16_overflow_on_one_tp_rank_skips_on_every_rank():
+    results = run_distributed(_overflow_on_one_rank, 2, dict(tp_size=2), timeout=120)
+    assert all(skipped and unchanged for skipped, _, unchanged in results), results
+    assert len({scale for _, scale, _ in results}) == 1, results
+
+
 def test_hybrid_refuses_unsupported_layouts():
     with pytest.raises(NotImplementedError, match="tp_mode in"):
         HybridParallelPlugin(tp_mode="4d")
@@ -95,6 +131,8 @@ def test_hybrid_refuses_unsupported_layouts():
         HybridParallelPlugin(tp_size=4, tp_mode="2d", sp_size=2)
     with pytest.raises(NotImplementedError, match="zero_stage in"):
         HybridParallelPlugin(zero_stage=3)
+    with pytest.raises(NotImplementedError, match=r"\['fp32', 'bf16'\], got fp16"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2, zero_stage=1), mixed_precision="fp16")
     with pytest.raises(ValueError, match="q\\^2"):
         HybridParallelPlugin(tp_size=2, tp_mode="2d")
     with pytest.raises(ValueError, match="q\\^3"):

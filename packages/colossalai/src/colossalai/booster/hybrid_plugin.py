@@ -51,6 +51,12 @@ ZERO_STAGES = (0, 1, 2)
 """ZeRO stages the hybrid plugin supports (0 = DDP)."""
 
 
+def _fp16_scaler():
+    from colossal.optim import DynamicLossScaler
+
+    return DynamicLossScaler()
+
+
 class HybridParallelPlugin(Plugin):
     """``HybridParallelPlugin(tp_size=4, tp_mode="2d")``: tensor parallel inside groups of
     ``tp_size`` ranks (``tp_mode`` 1d, 2d, 2.5d with ``tp_depth``, 3d), data parallel across them;
@@ -59,13 +65,13 @@ class HybridParallelPlugin(Plugin):
     ``HybridParallelPlugin(tp_size=2, sp_size=2)``: both (1D tensor parallelism inside each
     sequence chunk), data parallel across ``tp_size * sp_size`` ranks.
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
-    ``colossal.zero`` instead of DDP. Not supported
-    (``NotImplementedError``): sp with 2D/2.5D/3D, ``zero_stage=3``, fp16 (its overflow check
-    would have to be agreed over the tp group); fp32 and bf16 are.
+    ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
+    ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
+    Not supported (``NotImplementedError``): sp with 2D/2.5D/3D, ``zero_stage=3``, fp16 with
+    ``zero_stage`` 1/2 (the Booster refuses it when built).
     """
 
     name = "hybrid"
-    supported_precisions = (Precision.FP32, Precision.BF16)
 
     def __init__(
         self,
@@ -98,6 +104,11 @@ class HybridParallelPlugin(Plugin):
         self.mesh = None
         self._dense_shapes: dict[str, torch.Size] = {}
         self._shards: ShardIndex | None = None  # 2D/2.5D/3D state gather/split maps
+
+    @property
+    def supported_precisions(self) -> tuple[Precision, ...]:
+        """fp32, bf16 and fp16; not fp16 with ZeRO (its fp32-engine scaler would not scale the loss)."""
+        return (Precision.FP32, Precision.BF16) if self.zero_stage else (Precision.FP32, Precision.BF16, Precision.FP16)
 
     @property
     def _inner(self) -> tuple[str, int]:
@@ -147,7 +158,8 @@ class HybridParallelPlugin(Plugin):
         if optimizer is not None:
             axis, size = self._inner
             replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
-            optimizer = TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size)
+            scaler = _fp16_scaler() if precision is Precision.FP16 else None
+            optimizer = TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
         if torch.distributed.get_world_size(ddp_group) > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             wrapped = DDP(wrapped, device_ids=ids, process_group=ddp_group)
@@ -262,4 +274,5 @@ class HybridParallelPlugin(Plugin):
     def __repr__(self) -> str:
         parts = [f"tp_size={self.tp_size}, tp_mode={self.tp_mode!r}"] if self.tp_size > 1 or self.sp_size == 1 else []
         parts += [f"sp_size={self.sp_size}, sp_kind={self.sp_kind!r}"] if self.sp_size > 1 else []
+        parts += [f"zero_stage={self.zero_stage}"] if self.zero_stage else []
         return f"HybridParallelPlugin({', '.join(parts)})"

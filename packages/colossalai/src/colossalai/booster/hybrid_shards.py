@@ -15,6 +15,7 @@ re-splitting is one ``take``. Correct for any plan, by construction.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -83,10 +84,13 @@ class TensorParallelOptimizer(BoostedOptimizer):
     """Clips by the norm of the *dense* gradients: every gradient element is counted once, whether
     it is sharded over the tp group, replicated on all of it (LayerNorms in 1D), or held by
     ``m`` of its ranks (2.5D depth, 2D position embedding: weighted by ``m^(-1/p)``).
-    ``colossal.optim.grad_norm`` does the reduction."""
+    ``colossal.optim.grad_norm`` does the reduction. With a loss ``scaler`` (fp16) the overflow
+    check is agreed over the group, whose ranks hold different blocks of the gradients."""
 
-    def __init__(self, optimizer, replicas: list[tuple[nn.Parameter, int]], group, group_size: int) -> None:
-        super().__init__(optimizer)
+    def __init__(
+        self, optimizer, replicas: list[tuple[nn.Parameter, int]], group, group_size: int, scaler=None
+    ) -> None:
+        super().__init__(optimizer, scaler)
         self.replicas, self.tp_group, self.group_size = replicas, group, group_size
 
     def _split(self, p: float) -> tuple[list, list]:
@@ -114,3 +118,20 @@ class TensorParallelOptimizer(BoostedOptimizer):
             if param.grad is not None:
                 param.grad.mul_(coef.to(param.grad.device))
         return total
+
+    def step(self, *args, **kwargs) -> None:
+        """Unscale, then step unless a gradient overflowed on any rank of the group (every rank
+        then skips and backs the scale off together); fp32/bf16: a plain step."""
+        if self.scaler is None:
+            return super().step(*args, **kwargs)
+        from colossal.comm import all_reduce
+        from colossal.optim import has_inf_or_nan
+
+        self._unscale()
+        reduce = functools.partial(all_reduce, tag="hybrid.overflow")
+        found_inf = has_inf_or_nan(self._grads(), self.tp_group, all_reduce=reduce)
+        self.scaler.update(found_inf)
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            self.optim.step(*args, **kwargs)
+        self._unscaled = False
