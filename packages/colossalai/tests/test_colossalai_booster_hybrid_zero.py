@@ -104,17 +104,19 @@ TP_CLIP = [
     (4, dict(tp_size=2, zero_stage=2), math.inf),
     (4, dict(tp_size=2, sp_size=2, zero_stage=1), 2.0),
     (4, dict(tp_size=4, tp_mode="2d", zero_stage=1), 2.0),
+    (8, dict(tp_size=8, tp_mode="2.5d", tp_depth=2, zero_stage=1), 2.0),
 ]
 
 
 @pytest.mark.parametrize(
     "world,kwargs,norm_type",
     TP_CLIP,
-    ids=["dp2xtp2-zero2-l2", "dp2xtp2-zero2-inf", "sp2xtp2-zero1-l2", "2d-tp4-zero1-l2"],
+    ids=["dp2xtp2-zero2-l2", "dp2xtp2-zero2-inf", "sp2xtp2-zero1-l2", "2d-tp4-zero1-l2", "2.5d-tp8-d2-zero1-l2"],
 )
 def test_hybrid_zero_clips_by_the_dense_norm_under_tp(world, kwargs, norm_type):
     """Each element counts once: tp-sharded (1D splits, 2D blocks), tp-replicated (1D LayerNorms,
-    position embedding, row biases) and dp-sharded by ZeRO. Tolerance: the norm 1e-5 relative (fp32
+    position embedding, row biases), held by part of the tp group (the 2.5D depth) and dp-sharded
+    by ZeRO. Tolerance: the norm 1e-5 relative (fp32
     reduction order); parameters after the step 1e-5 relative + 1e-6 absolute."""
     total, _ = _dense_clip_step(norm_type, None)
     _, expected = _dense_clip_step(norm_type, 0.5)
