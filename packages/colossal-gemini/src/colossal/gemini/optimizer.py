@@ -4,22 +4,30 @@ The wrapped optimizer's parameters are replaced by fp32 views of the master shar
 parameter slice this rank holds); their ``.grad`` are views of the fp32 gradient shards. Loss
 scaling, the global gradient-norm clip and the overflow skip come from ``colossal.optim``.
 
-[Note: element-wise optimizers only]
+[Note: element-wise and layer-wise optimizers]
 A parameter may be split across chunk shards (and ranks), so the optimizer sees 1-D slices.
 Element-wise rules (SGD, Adam/AdamW, HybridAdam, CPUAdam) give the same update on slices as on
-the whole tensor; rules that need a whole-tensor norm or shape (LAMB, Adafactor) do not.
+the whole tensor. Layer-wise rules (LAMB, LARS: an optimizer with a ``norm_reducer`` attribute,
+``colossal.optim``'s contract) need whole-parameter norms: they get one slice per parameter on
+every rank, an empty one where the rank holds none of it (so every rank's norm vector has the
+same length and order), and, when chunks are sharded, a ``norm_reducer`` that sums the
+per-parameter squared norms over the data-parallel group. Rules that need a parameter's shape
+(Adafactor) are not supported.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+import colossal.comm as comm
 from colossal.gemini import events
 from colossal.gemini.chunk import Chunk
 from colossal.gemini.ddp import GeminiDDP
 from colossal.gemini.tiers import transfer
-from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
+from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, group_norm_reducer, has_inf_or_nan
 
 __all__ = ["GeminiOptimizer"]
 
@@ -67,6 +75,9 @@ class GeminiOptimizer:
 
     def _replace_params(self) -> None:
         m = self.manager
+        layerwise = hasattr(self.optim, "norm_reducer")  # see [Note: element-wise and layer-wise optimizers]
+        if layerwise:
+            self._install_norm_reducer()
         for group in self.optim.param_groups:
             fakes = []
             for p in group["params"]:
@@ -75,12 +86,23 @@ class GeminiOptimizer:
                 chunk, info = m.chunk_of[p]
                 s_lo, s_hi = chunk.shard_range(m.rank)
                 lo, hi = max(info.offset, s_lo) - s_lo, min(info.offset + info.numel, s_hi) - s_lo
-                if lo >= hi:
-                    continue  # no element of this parameter on this rank
+                if lo >= hi:  # no element of this parameter on this rank
+                    if layerwise:
+                        fakes.append(nn.Parameter(chunk.master[:0]))
+                    continue
                 fake = nn.Parameter(chunk.master[lo:hi])
                 self.slices.setdefault(chunk.id, []).append((fake, lo, hi, info.name))
                 fakes.append(fake)
             group["params"] = fakes
+
+    def _install_norm_reducer(self) -> None:
+        if self.optim.norm_reducer is not None:
+            raise ValueError(
+                f"{type(self.optim).__name__}.norm_reducer is already set; build it with norm_reducer=None: "
+                "GeminiOptimizer reduces the per-parameter norms over the data-parallel group itself"
+            )
+        if self.manager.sharded:  # whole chunks on every rank need no reduction
+            self.optim.norm_reducer = group_norm_reducer(self.manager.group, all_reduce=_reduce("norms"))
 
     # -- training API -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -107,7 +129,7 @@ class GeminiOptimizer:
                 self.scaler.unscale_(grads)
             # fp16's dynamic scale can overflow; fp32/bf16 with a constant scaler are checked only on request
             check = self.check_overflow or isinstance(self.scaler, DynamicLossScaler)
-            found_inf = check and has_inf_or_nan(grads, group=self.manager.group)
+            found_inf = check and has_inf_or_nan(grads, group=self.manager.group, all_reduce=_reduce("overflow"))
             if found_inf:
                 self.skipped_steps += 1
             else:
@@ -121,10 +143,11 @@ class GeminiOptimizer:
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
         m = self.manager
+        kw = dict(group=m.group, all_reduce=_reduce("grad_norm"))
         if m.replicated:  # every rank holds the same whole gradients: count them once
-            clip_grad_norm_([], self.max_grad_norm, self.norm_type, group=m.group, replicated=grads)
+            clip_grad_norm_([], self.max_grad_norm, self.norm_type, replicated=grads, **kw)
         else:
-            clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, group=m.group)
+            clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, **kw)
 
     def _inner_step(self) -> None:
         for chunk in self.manager.chunks:
@@ -163,3 +186,9 @@ class GeminiOptimizer:
             for k, t in list(state.items()):
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     state[k] = transfer(t, src_tier, dst_tier, m.traffic, chunk.id, "placement")
+
+
+def _reduce(what: str):
+    """``colossal.comm.all_reduce`` tagged ``gemini.<what>``: the reductions inside ``colossal.optim``
+    become comm events like the rest of Gemini's traffic."""
+    return functools.partial(comm.all_reduce, tag=f"gemini.{what}")
