@@ -1,6 +1,6 @@
 """Booster + HybridParallelPlugin against plain single-process PyTorch: data x tensor parallel
-(1D, 2D, 2.5D, 3D), data x sequence parallel (ring, all-to-all attention), and 1D tensor x
-sequence parallel.
+(1D, 2D, 2.5D, 3D), data x sequence parallel (ring, all-to-all attention), and tensor x sequence
+parallel (1D, 2D); fp16.
 
 Tolerance: fp32, 1e-5 relative per-step loss: tensor and sequence parallelism split matrix
 products and attention and sum partial results over ranks (plus the dp gradient average),
@@ -28,10 +28,11 @@ LAYOUTS = [  # (world, plugin kwargs): every mode, with dp where the world allow
     (4, dict(tp_size=1, sp_size=2, sp_kind="all_to_all")),
     (4, dict(tp_size=2, sp_size=2)),
     (4, dict(tp_size=2, sp_size=2, sp_kind="all_to_all")),
+    (8, dict(tp_size=4, tp_mode="2d", sp_size=2)),  # the smallest world for 2D x sp
 ]
 IDS = [
     *["tp2", "dp2xtp2", "2d-tp4", "2.5d-tp4-d1", "2.5d-tp8-d2", "3d-tp8", "sp2-ring", "dp2xsp2-all_to_all"],
-    *["sp2xtp2-ring", "sp2xtp2-all_to_all"],
+    *["sp2xtp2-ring", "sp2xtp2-all_to_all", "sp2x2d-tp4-ring"],
 ]
 
 
@@ -127,8 +128,6 @@ def test_hybrid_fp16_overflow_on_one_tp_rank_skips_on_every_rank():
 def test_hybrid_refuses_unsupported_layouts():
     with pytest.raises(NotImplementedError, match="tp_mode in"):
         HybridParallelPlugin(tp_mode="4d")
-    with pytest.raises(NotImplementedError, match="tp_mode='1d' only"):
-        HybridParallelPlugin(tp_size=4, tp_mode="2d", sp_size=2)
     with pytest.raises(NotImplementedError, match="zero_stage in"):
         HybridParallelPlugin(zero_stage=3)
     with pytest.raises(NotImplementedError, match=r"\['fp32', 'bf16'\], got fp16"):

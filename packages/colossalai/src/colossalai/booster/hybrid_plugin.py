@@ -3,8 +3,8 @@
 
 Layouts: ``Mesh(axes={"dp": world // tp_size, "tp": tp_size})`` for tensor parallelism,
 ``Mesh(axes={"dp": world // sp_size, "sp": sp_size})`` for sequence parallelism, and
-``Mesh(axes={"dp": ..., "sp": sp_size, "tp": tp_size})`` for both (1D tensor parallelism only; tp
-innermost, the most talkative axis). The model is converted in place by
+``Mesh(axes={"dp": ..., "sp": sp_size, "tp": tp_size})`` for both (tp innermost, the most
+talkative axis). The model is converted in place by
 ``colossal.tensor_parallel`` (``gpt_plan(mode)`` by default), its split logits are gathered so
 that the user's criterion runs unchanged on the full ``(B, T, V)`` logits, and gradients are
 averaged over ``dp`` (times ``sp``) by DDP.
@@ -39,6 +39,7 @@ from colossalai.booster.hybrid_wrappers import (
     SequenceParallel,
     check_layout,
     gather_fn,
+    sequence_after_tensor,
 )
 from colossalai.booster.hybrid_zero import HybridZeroOptimizer, zero_engine
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
@@ -62,13 +63,13 @@ class HybridParallelPlugin(Plugin):
     ``tp_size`` ranks (``tp_mode`` 1d, 2d, 2.5d with ``tp_depth``, 3d), data parallel across them;
     ``HybridParallelPlugin(tp_size=1, sp_size=2)``: sequence parallel (``sp_kind`` ring or
     all_to_all attention) inside groups of ``sp_size`` ranks, data parallel across them;
-    ``HybridParallelPlugin(tp_size=2, sp_size=2)``: both (1D tensor parallelism inside each
-    sequence chunk), data parallel across ``tp_size * sp_size`` ranks.
+    ``HybridParallelPlugin(tp_size=2, sp_size=2)``: both (any ``tp_mode`` inside each sequence
+    chunk), data parallel across ``tp_size * sp_size`` ranks.
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
-    Not supported (``NotImplementedError``): sp with 2D/2.5D/3D, ``zero_stage=3``, fp16 with
-    ``zero_stage`` 1/2 (the Booster refuses it when built).
+    Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
+    Booster refuses it when built).
     """
 
     name = "hybrid"
@@ -90,11 +91,6 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"HybridParallelPlugin supports tp_mode in {TP_MODES}, got {tp_mode!r}")
         if sp_kind not in SP_KINDS:
             raise ValueError(f"sp_kind must be one of {SP_KINDS}, got {sp_kind!r}")
-        if sp_size > 1 and tp_size > 1 and tp_mode != "1d":
-            raise NotImplementedError(
-                "HybridParallelPlugin combines sequence parallelism (sp_size > 1) with tp_mode='1d' only; "
-                f"got tp_mode={tp_mode!r}, tp_size={tp_size}, sp_size={sp_size}"
-            )
         if zero_stage not in ZERO_STAGES:
             raise NotImplementedError(f"HybridParallelPlugin supports zero_stage in {ZERO_STAGES}, got {zero_stage!r}")
         check_layout(tp_size, tp_mode, tp_depth)
@@ -185,17 +181,19 @@ class HybridParallelPlugin(Plugin):
         return GatherLogits(model, gather_fn(self.tp_mode, target)), mesh.group("dp")
 
     def _sequence(self, model: nn.Module, mesh):
-        """Sequence parallel, after 1D tensor parallel when ``tp_size > 1``: the 1D layers run
-        unchanged on each ``T/sp`` chunk; the attention core becomes ring / all-to-all over the
-        local ``n_head/tp`` heads. The 1D shared q/k/v input all-reduce is a hook on the attention
-        module, which sequence parallelism replaces, so each projection keeps its own."""
-        from colossal.tensor_parallel import apply_1d, parallelize
+        """Sequence parallel, after tensor parallel when ``tp_size > 1``: the tensor-parallel layers
+        run unchanged on each ``T/sp`` chunk, the attention core becomes ring / all-to-all over the
+        local heads, and the (converted) position embedding sees global positions (``[Note:
+        tensor x sequence parallel]`` in :mod:`colossalai.booster.hybrid_wrappers`)."""
+        from colossal.tensor_parallel import parallelize
 
-        if self.tp_size > 1:
-            apply_1d(model, mesh.group("tp"), share_input_grad_sync=False)
-        parallelize(model, "sequence", mesh.group("sp"), kind=self.sp_kind)
-        inner = GatherLogits(model, gather_fn("1d", mesh.group("tp"))) if self.tp_size > 1 else model
-        return SequenceParallel(inner, mesh.group("sp"), self.sp_size), mesh.product_group("dp", "sp")
+        sp = mesh.group("sp")
+        if self.tp_size == 1:
+            parallelize(model, "sequence", sp, kind=self.sp_kind)
+            return SequenceParallel(model, sp, self.sp_size), mesh.product_group("dp", "sp")
+        inner, _ = self._tensor(model, mesh)
+        sequence_after_tensor(model, sp, self.sp_kind, self._dense_shapes)
+        return SequenceParallel(inner, sp, self.sp_size), mesh.product_group("dp", "sp")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The (tensor- and/or sequence-parallel) user module."""

@@ -10,6 +10,19 @@ keeps each rank's own chunk, so a rank's gradients are its tokens' share of the 
 full gradient is their *sum* over ``sp``. DDP over the ``dp x sp`` group *averages*, so the
 gradient entering the sequence model is multiplied by ``sp``: the average over ``dp x sp`` of
 ``sp x share`` is the mean over ``dp`` of the full gradients, as plain data parallelism gives.
+
+[Note: tensor x sequence parallel]
+With ``tp_size > 1`` and ``sp_size > 1`` (mesh ``dp x sp x tp``) the model is converted for tensor
+parallelism first (any mode), then only its attention modules are replaced by
+``SequenceParallelAttention``, which reuses the tensor-parallel q/k/v/out projections and runs
+ring or all-to-all attention over the heads those projections hold locally. The forward
+pre-hooks the tensor-parallel conversion put on the attention module (one shared all-reduce (1D)
+or gather (2D, 2.5D, 3D) of the q/k/v input, the projections then skipping their own) move to the
+replacement, which calls the projections on its input just as the dense attention did. The position
+embedding keeps its tensor-parallel layer; a forward pre-hook shifts its positions by
+``sp_rank * T/sp`` so every chunk embeds its global positions (what
+``SequencePositionEmbedding`` does for a dense embedding). Parameters are exactly those of the
+tensor-parallel model, so checkpoints and clipping are the tensor-parallel ones.
 """
 
 from __future__ import annotations
@@ -19,7 +32,15 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["TP_MODES", "SP_KINDS", "check_layout", "gather_fn", "GatherLogits", "SequenceParallel"]
+__all__ = [
+    "TP_MODES",
+    "SP_KINDS",
+    "check_layout",
+    "gather_fn",
+    "GatherLogits",
+    "SequenceParallel",
+    "sequence_after_tensor",
+]
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 """Tensor-parallel modes the hybrid plugin supports."""
@@ -82,3 +103,35 @@ class SequenceParallel(nn.Module):
         if out.requires_grad:
             out.register_hook(lambda g: g * self.sp_size)
         return gather_sequence(out, self.group)  # (B, T, V)
+
+
+def _global_positions(module, args, *, group, limit: int):
+    """Forward pre-hook: local positions ``(T/sp,)`` -> this sp rank's global positions."""
+    import torch.distributed as dist
+
+    pos = args[0]
+    t = pos.shape[-1]  # T/sp
+    offset = dist.get_rank(group) * t
+    if offset + t > limit:
+        total = t * dist.get_world_size(group)
+        raise ValueError(f"sequence length {total} exceeds the {limit} positions of the embedding")
+    return (pos + offset, *args[1:])
+
+
+def sequence_after_tensor(model: nn.Module, group, kind: str, dense_shapes: dict) -> None:
+    """Make a tensor-parallel GPT sequence parallel over ``group`` (``[Note: tensor x sequence
+    parallel]``); ``dense_shapes``: parameter name -> dense shape, for the number of positions."""
+    from colossal.tensor_parallel import Style, apply_sequence, gpt_plan, resolve_plan
+
+    plan = gpt_plan("sequence")
+    attention = {k: s for k, s in plan.items() if s == Style.ATTENTION}
+    replaced = {name: module for name, module, _ in resolve_plan(model, attention)}
+    for name, module, style in resolve_plan(model, plan):
+        if style == Style.POS_EMBED:
+            limit = dense_shapes[f"{name}.weight"][0]
+            module.register_forward_pre_hook(functools.partial(_global_positions, group=group, limit=limit))
+    apply_sequence(model, group, attention, kind)
+    for name, old in replaced.items():  # the tensor-parallel input hooks of the attention (note)
+        new = model.get_submodule(name)
+        for hook in old._forward_pre_hooks.values():
+            new.register_forward_pre_hook(hook)
