@@ -70,6 +70,8 @@ class FlatSpace:
         self.moments = {key: torch.zeros(total, dtype=master_dtype) for key in moments}
         for p, sl in zip(params, self._slices):
             self._adopt(p, sl, state.setdefault(p, {}))
+        self._param_ptrs = [self.param_flat[sl].data_ptr() for sl in self._slices]
+        self._grad_views = [self.grad_flat[sl] for sl in self._slices]
 
     @property
     def exp_avg(self) -> Tensor:
@@ -107,18 +109,14 @@ class FlatSpace:
 
     def intact(self) -> bool:
         """Whether every parameter still lives in ``param_flat`` (``p.data = ...`` or ``.to()`` moves it out)."""
-        return all(
-            p.data_ptr() == self.param_flat[sl].data_ptr() and p.dtype == self.param_flat.dtype
-            for p, sl in zip(self.params, self._slices)
-        )
+        dtype = self.param_flat.dtype
+        return all(p.data_ptr() == ptr and p.dtype == dtype for p, ptr in zip(self.params, self._param_ptrs))
 
     def gather_grads(self) -> None:
         """Make every ``p.grad`` a view of ``grad_flat`` (copying foreign ones in); fill ``grad_master``."""
-        views = [self.grad_flat[sl] for sl in self._slices]
+        views = self._grad_views
         foreign = [i for i, (p, v) in enumerate(zip(self.params, views)) if p.grad.data_ptr() != v.data_ptr()]
-        if (
-            len(foreign) == len(views) > 1 and not self.padded
-        ):  # typical after zero_grad(set_to_none=True): one copy kernel
+        if len(foreign) == len(views) > 1 and not self.padded:  # after zero_grad(set_to_none=True)
             torch.cat([p.grad.reshape(-1) for p in self.params], out=self.grad_flat)
         elif foreign:
             torch._foreach_copy_([views[i] for i in foreign], [self.params[i].grad.reshape(-1) for i in foreign])
