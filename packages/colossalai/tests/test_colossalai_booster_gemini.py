@@ -36,3 +36,20 @@ def test_gemini_refuses_bad_config():
         GeminiPlugin(placement="belady")
     with pytest.raises(ValueError, match="device_memory_budget"):
         GeminiPlugin(device_memory_budget=0)
+
+
+def _clip_once():
+    from colossalai_harness import criterion
+
+    booster, model, optim, loader = boosted_setup(GeminiPlugin(placement="auto", device_memory_budget=4 << 20))
+    x, y = next(iter(loader))
+    booster.backward(criterion(model(x), y), optim)
+    booster.clip_grad_norm(optim, 0.05, norm_type=1.0)
+    during = (optim.engine.max_grad_norm, optim.engine.norm_type)
+    optim.step()
+    return during, (optim.engine.max_grad_norm, optim.engine.norm_type)
+
+
+def test_gemini_clip_applies_to_the_next_step_only():
+    during, after = run_distributed(_clip_once, 1, timeout=120)[0]
+    assert during == (0.05, 1.0) and after == (0.0, 2.0)

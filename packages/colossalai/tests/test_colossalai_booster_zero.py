@@ -43,12 +43,18 @@ def _accumulate_and_clip():
     booster.backward(criterion(model(x[2:]), y[2:]) / 2, optim)
     booster.clip_grad_norm(optim, 0.05)
     optim.step()
-    return optim.engine.last_grad_norm.item()
+    norm = optim.engine.last_grad_norm.item()
+    optim.zero_grad()
+    booster.backward(criterion(model(x), y), optim)
+    optim.step()  # no clip_grad_norm() this time: the step must not clip
+    return norm, optim.engine.config.max_grad_norm, optim.engine.last_grad_norm.item()
 
 
 def test_zero_no_sync_and_clip_run():
-    norms = run_distributed(_accumulate_and_clip, 2, timeout=120)
-    assert norms[0] == pytest.approx(norms[1]) and norms[0] > 0.05
+    out = run_distributed(_accumulate_and_clip, 2, timeout=120)
+    (norm0, after0, last0), (norm1, _, _) = out
+    assert norm0 == pytest.approx(norm1) and norm0 > 0.05
+    assert after0 is None and last0 == norm0  # the clip applied to one step only
 
 
 def test_zero_refuses_bad_config():

@@ -31,7 +31,7 @@ class GeminiBoostedOptimizer(EngineBoostedOptimizer):
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
         """Clip inside the next ``step()`` over every rank's chunk shards; returns None."""
-        self.engine.max_grad_norm, self.engine.norm_type = float(max_norm), float(norm_type)
+        self._clip_next_step(max_grad_norm=float(max_norm), norm_type=float(norm_type))
 
 
 class GeminiPlugin(Plugin):

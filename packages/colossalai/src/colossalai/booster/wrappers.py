@@ -117,6 +117,20 @@ class EngineBoostedOptimizer(BoostedOptimizer):
     def __init__(self, engine, inner: torch.optim.Optimizer) -> None:
         super().__init__(inner, scaler=engine.scaler, params=[])
         self.engine = engine
+        self._restore_clip = None  # undoes a clip_grad_norm() after the step it applies to
+
+    def _clip_next_step(self, **settings) -> None:
+        """Set engine clip ``settings`` for the next ``step()`` only (the engine clips inside it)."""
+        if self._restore_clip is None:
+            before = {k: getattr(self.engine_clip_target, k) for k in settings}
+            self._restore_clip = lambda: [setattr(self.engine_clip_target, k, v) for k, v in before.items()]
+        for k, v in settings.items():
+            setattr(self.engine_clip_target, k, v)
+
+    @property
+    def engine_clip_target(self):
+        """The object holding the engine's clip settings (the engine itself unless overridden)."""
+        return self.engine
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """Scaled backward through the engine's hooks."""
@@ -124,7 +138,12 @@ class EngineBoostedOptimizer(BoostedOptimizer):
 
     def step(self, *args, **kwargs) -> None:
         """One engine step (skipped on every rank when a gradient overflowed)."""
-        self.last_step_skipped = not self.engine.step()
+        try:
+            self.last_step_skipped = not self.engine.step()
+        finally:
+            if self._restore_clip is not None:  # clip_grad_norm() applies to this step only
+                self._restore_clip()
+                self._restore_clip = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients."""

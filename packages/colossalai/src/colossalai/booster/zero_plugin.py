@@ -36,7 +36,12 @@ class ZeroBoostedOptimizer(EngineBoostedOptimizer):
         read ``engine.last_grad_norm`` after the step."""
         if norm_type != 2.0:
             raise NotImplementedError(f"ZeroPlugin clips the 2-norm only, got norm_type={norm_type}")
-        self.engine.config.max_grad_norm = float(max_norm)
+        self._clip_next_step(max_grad_norm=float(max_norm))
+
+    @property
+    def engine_clip_target(self):
+        """ZeRO keeps its clip setting in its config."""
+        return self.engine.config
 
 
 class ZeroPlugin(Plugin):
