@@ -31,11 +31,11 @@ class OuterProductMean(nn.Module):
     def forward(self, m, mask, chunk_size=None, dap=None, accumulate_into=None) -> torch.Tensor:
         """``m`` [*, S, R, c_m] (R local under DAP), ``mask`` [*, S, R] -> pair update [*, R, R_all, c_z]."""
         m_ln = self.layer_norm(m)
-        a = self.linear_1(m_ln) * mask.unsqueeze(-1)  # [*, S, I, c]
         b = self.linear_2(m_ln) * mask.unsqueeze(-1)  # [*, S, J, c]
-        mask_j = mask
-        if dap is not None:
-            b, mask_j = dap.gather(b, -2), dap.gather_nograd(mask, -1)
+        pending = dap.gather_async(b, -2) if dap is not None else None  # overlaps the left projection
+        a = self.linear_1(m_ln) * mask.unsqueeze(-1)  # [*, S, I, c]
+        mask_j = mask if dap is None else dap.gather_nograd(mask, -1)
+        b = b if pending is None else pending.wait()
         norm = torch.einsum("...si,...sj->...ij", mask, mask_j)  # [*, I, J]
         fn = lambda a_c, n_c: self._outer(a_c, b, n_c)
         return chunk_apply(fn, [a, norm], [-2, -2], chunk_size, -3, accumulate_into)

@@ -56,15 +56,20 @@ class TriangleMultiplicativeUpdate(nn.Module):
         (outgoing) or columns (incoming) are local; the operand needed whole is all-gathered.
         ``prepared``: :meth:`prepare` already computed on this ``z``."""
         z_ln, a, b = prepared if prepared is not None else self.prepare(z, mask, chunk_size)
-        if dap is not None:
-            a, b = (a, dap.gather(b, -3)) if self.outgoing else (dap.gather(a, -2), b)
         # Channels-first operands, permuted once for all chunks:
-        # outgoing x_ij = sum_k a_ik b_jk; incoming x_ij = sum_k a_ki b_kj.
+        # outgoing x_ij = sum_k a_ik b_jk; incoming x_ij = sum_k a_ki b_kj. Under DAP the operand
+        # needed whole is gathered while the local one is permuted.
         if self.outgoing:
-            a_t, b_t = a.movedim(-1, -3).contiguous(), b.movedim(-1, -3).transpose(-1, -2).contiguous()
+            pending = dap.gather_async(b, -3) if dap is not None else None
+            a_t = a.movedim(-1, -3).contiguous()
+            b = b if pending is None else pending.wait()
+            b_t = b.movedim(-1, -3).transpose(-1, -2).contiguous()
         else:
-            a_t, b_t = a.movedim(-1, -3).transpose(-1, -2).contiguous(), b.movedim(-1, -3).contiguous()
-        del a, b  # [*, c, I, K] and [*, c, K, J] replace them
+            pending = dap.gather_async(a, -2) if dap is not None else None
+            b_t = b.movedim(-1, -3).contiguous()
+            a = a if pending is None else pending.wait()
+            a_t = a.movedim(-1, -3).transpose(-1, -2).contiguous()
+        del a, b, pending  # [*, c, I, K] and [*, c, K, J] replace them
         fn = lambda a_c, z_c: self._combine(a_c, b_t, z_c)
         return chunk_apply(fn, [a_t, z_ln], [-2, -3], chunk_size, -3, accumulate_into)
 
@@ -109,10 +114,10 @@ class TriangleAttention(nn.Module):
         if not self.starting:  # position-wise prologue: transposing after it is the same
             z_ln, bias, mask = z_ln.transpose(-2, -3), bias.transpose(-2, -3), mask.transpose(-1, -2)
             acc = acc.transpose(-2, -3) if acc is not None else None
-        if dap is not None:
-            bias = dap.gather(bias, -3)
-        bias = bias.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, J, K]
+        pending = dap.gather_async(bias, -3) if dap is not None else None
         key_bias = mask_bias(mask, self.inf)[..., :, None, None, :]  # [*, I, 1, 1, K]
+        bias = bias if pending is None else pending.wait()
+        bias = bias.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, J, K]
         fn = lambda z_c, kb_c: self.mha(z_c, z_c, [kb_c, bias])
         out = chunk_apply(fn, [z_ln, key_bias], [-3, -4], chunk_size, -3, acc)
         return out.transpose(-2, -3) if not self.starting else out
