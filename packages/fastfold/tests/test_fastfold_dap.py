@@ -99,7 +99,8 @@ def rank_comm_pattern():
     finally:
         handle.remove()
     overlapped = sorted({e.tag for e in events if e.async_op})
-    return dict(counter.calls), overlapped
+    synchronous = sorted({e.tag for e in events if not e.async_op})
+    return dict(counter.calls), overlapped, synchronous
 
 
 def test_dap_comm_pattern_per_block():
@@ -107,12 +108,14 @@ def test_dap_comm_pattern_per_block():
     three inside the pair stack are pipelined in 2 pieces (7 calls), 7 all-gathers (row-attention
     bias, OPM right projection + its mask, the two triangle-update operands, the two
     triangle-attention biases); the trunk adds 3 output gathers (m, z, s)."""
-    calls, overlapped = run_distributed(rank_comm_pattern, 2, timeout=60)[0]
+    calls, overlapped, synchronous = run_distributed(rank_comm_pattern, 2, timeout=60)[0]
     assert calls["all_to_all"] == 2 * (2 + 1 + 3 * 2)
     assert calls["all_gather"] == 2 * 7 + 3
     # the row-attention bias gather, the MSA all-to-all back to the sequence split and every pair
     # all-to-all run async (see test_fastfold_dap_overlap.py for the overlap itself)
     assert overlapped == ["fastfold.dap.all_to_all", "fastfold.dap.gather", "fastfold.dap.pair_all_to_all"]
+    # still synchronous: the MSA switch after row attention, the OPM mask gather, the output gathers
+    assert synchronous == ["fastfold.dap.gather_mask", "functional.all_to_all", "functional.gather"]
 
 
 def rank_too_many_ranks():
