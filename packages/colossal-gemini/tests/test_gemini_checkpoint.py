@@ -50,11 +50,25 @@ def test_full_state_dict_loads_into_plain_torch():
         torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6)
 
 
+def _check_flat_slice_keys(path: str) -> None:
+    """The stack's flat-slice keys: pieces of each parameter (and of each state) cover it exactly once."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    numel = {n: p.numel() for n, p in GPT(GPTConfig()).named_parameters()}
+    for prefix, per_name in (("model/{}@", numel), ("optim/{}/exp_avg@", numel), ("optim/{}/exp_avg_sq@", numel)):
+        for n, total in per_name.items():
+            got = sum(m.size[0] for k, m in meta.items() if k.startswith(prefix.format(n)))
+            assert got == total, (prefix.format(n), got, total)
+    assert all(f"optim/{n}/step" in meta for n in numel)
+
+
 @pytest.mark.parametrize("keep_gathered", [False, True])
 def test_sharded_checkpoint_saved_on_two_ranks_resumes_on_one(tmp_path, keep_gathered):
     batches = make_batches(4)
     init, ref_state, _ = train_reference(batches)
     run_distributed(_save_on_two, 2, str(tmp_path / "ckpt"), init, batches[:2], keep_gathered, timeout=120)
+    _check_flat_slice_keys(str(tmp_path / "ckpt"))
     gem, opt = _build(init, 10240)  # another world size AND another chunk size
     load_sharded(str(tmp_path / "ckpt"), gem, opt)
     _train(gem, opt, batches[2:])

@@ -4,9 +4,15 @@
 The source of truth is the fp32 master shards (the working copy is derived from them), so the full
 model state holds fp32 values under the wrapped module's own names (tied names included): it loads
 into the plain ``torch.nn.Module``. The optimizer state is keyed by parameter *name* (not index),
-which makes it independent of chunk layout and world size. The sharded form stores each rank's
-slices under ``<name>@<first element>`` keys plus a small index per rank, so that a checkpoint saved
-on N ranks loads on M ranks with any chunk size: each rank reads exactly the overlapping slices.
+which makes it independent of chunk layout and world size.
+
+[Note: the flat-slice layout]
+The sharded form is the stack's flat-slice format (the same as ``colossal.zero``'s and every
+``colossalai`` Booster plugin's): each rank writes its master slices as 1-D fp32 pieces
+``model/<name>@<first element>``, its optimizer-state slices as ``optim/<name>/<key>@<first element>``
+and scalar states as ``optim/<name>/<key>`` (buffers: whole ``model/<name>@0``). A checkpoint saved
+on N ranks by any writer loads on M ranks with any chunk size: each rank reads the metadata and
+then exactly the pieces overlapping its slices (:func:`load_sharded_state_dict`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ __all__ = [
     "load_optimizer_state_dict",
     "save_sharded",
     "load_sharded",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
 ]
 
 
@@ -165,20 +173,26 @@ def _my_slices(manager):
                 yield chunk, info, a - info.offset, (a - s_lo, b - s_lo)
 
 
-def _sharded_dict(optim, ddp) -> dict:
-    m, sd = ddp.manager, {}
-    fakes = {}
-    if optim is not None:
-        for cid, slices in optim.slices.items():
-            for fake, lo, _, _ in slices:
-                fakes[(cid, lo)] = fake
-    for chunk, info, start, (lo, hi) in _my_slices(m):
-        sd[f"model/{info.name}@{start}"] = chunk.master[lo:hi].detach().cpu().clone()
-        fake = fakes.get((chunk.id, lo))
-        if fake is not None:
-            for k, t in optim.optim.state.get(fake, {}).items():
-                if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    sd[f"optim/{k}/{info.name}@{start}"] = t.detach().cpu().clone()
+def _fakes(optim) -> dict:
+    """``(chunk id, start in the shard) -> the optimizer's slice parameter``."""
+    if optim is None:
+        return {}
+    return {(cid, lo): fake for cid, slices in optim.slices.items() for fake, lo, _, _ in slices}
+
+
+def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
+    """The pieces this rank writes in the flat-slice format (module note): views of its own master
+    slices and optimizer states, scalars, and whole buffers; nothing is gathered."""
+    sd, fakes = {}, _fakes(optimizer)
+    for chunk, info, start, (lo, hi) in _my_slices(model.manager):
+        sd[f"model/{info.name}@{start}"] = chunk.master.detach()[lo:hi]
+        for k, t in optimizer.optim.state.get(fakes.get((chunk.id, lo)), {}).items() if optimizer else ():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                sd[f"optim/{info.name}/{k}@{start}"] = t.detach()
+            else:
+                sd[f"optim/{info.name}/{k}"] = t.detach() if isinstance(t, torch.Tensor) else torch.tensor(t)
+    for n, b in model.module.named_buffers():
+        sd[f"model/{n}@0"] = b.detach().reshape(-1)
     return sd
 
 
@@ -191,24 +205,67 @@ def save_sharded(path: str, model, optimizer=None) -> None:
     """Save this rank's slices with ``torch.distributed.checkpoint`` (collective over the data-parallel group)."""
     import torch.distributed.checkpoint as dcp
 
-    sd = _sharded_dict(optimizer, model)
+    sd = sharded_state_dict(model, optimizer)
     if optimizer is not None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optim.param_groups]
-        meta = {"scalars": _scalars(optimizer), "param_groups": groups, "loss_scaler": optimizer.scaler.state_dict()}
+        meta = {"param_groups": groups, "loss_scaler": optimizer.scaler.state_dict()}
         sd["meta/optim"] = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)  # one opaque blob
     dcp.save(sd, checkpoint_id=path, **_dcp_kwargs(model.manager))
 
 
-def _overlaps(keys, prefix: str, name: str, start: int, stop: int, sizes):
-    """Saved slices ``(key, saved start)`` of ``name`` under ``prefix`` that overlap ``[start, stop)``."""
-    for key in keys:
+def _pieces(metadata) -> dict[str, list[tuple[int, int, str]]]:
+    """``prefix -> [(first element, numel, key)]`` of every 1-D piece of the checkpoint."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for key, m in metadata.items():
         head, _, s = key.rpartition("@")
-        if not s.isdigit():
-            continue
-        if head == f"{prefix}{name}":
-            s = int(s)
-            if s < stop and s + sizes[key] > start:
-                yield key, s
+        if head and s.isdigit() and len(getattr(m, "size", ())) == 1:
+            out.setdefault(head, []).append((int(s), m.size[0], key))
+    return out
+
+
+def _by_name(keys) -> dict[str, list[str]]:
+    """``optim/<name>/<key>[@start]`` keys (or piece prefixes) grouped by parameter name."""
+    out: dict[str, list[str]] = {}
+    for k in keys:
+        if k.startswith("optim/"):
+            out.setdefault(k[len("optim/") :].rsplit("@", 1)[0].rsplit("/", 1)[0], []).append(k)
+    return out
+
+
+def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
+    """Keys to read and ``(prefix, chunk, lo, start, stop, key, saved start)`` copies to make."""
+    wanted, targets = set(), []
+    states = _by_name(pieces) if optimizer is not None else {}
+    scalars = _by_name(k for k in metadata if "@" not in k) if optimizer is not None else {}
+    for chunk, info, start, (lo, hi) in _my_slices(m):
+        stop = start + hi - lo
+        wanted.update(scalars.get(info.name, ()))
+        for prefix in [f"model/{info.name}", *states.get(info.name, ())]:
+            for s, n, key in pieces.get(prefix, ()):
+                if s < stop and s + n > start:
+                    wanted.add(key)
+                    targets.append((prefix, chunk, lo, start, stop, key, s))
+    return wanted, targets
+
+
+def load_sharded_state_dict(model, optimizer, metadata, load) -> None:
+    """Load the flat-slice pieces (any writer, world size and chunk size) overlapping this rank's
+    slices: ``metadata`` is the checkpoint's DCP ``state_dict_metadata``, ``load(tensors)`` fills a
+    dict of tensors in place (one ``dcp.load``: collective, every rank calls it once)."""
+    pieces = _pieces(metadata)
+    wanted, targets = _targets(model.manager, optimizer, metadata, pieces)
+    buffers = {n: b for n, b in model.module.named_buffers() if f"model/{n}" in pieces}
+    wanted.update(k for n in buffers for *_, k in pieces[f"model/{n}"])
+    loaded = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in sorted(wanted)}
+    load(loaded)
+    _apply(model.manager, optimizer, loaded, targets)
+    with torch.no_grad():
+        for n, b in buffers.items():
+            b.view(-1).copy_(torch.cat([loaded[k] for _, _, k in sorted(pieces[f"model/{n}"])]))
+    scalars = _by_name(k for k in loaded if "@" not in k)
+    for fake, _, _, name in (s for slices in optimizer.slices.values() for s in slices) if optimizer else ():
+        state = optimizer.optim.state.setdefault(fake, {})
+        state.update({k.rsplit("/", 1)[1]: loaded[k].clone() for k in scalars.get(name, ())})
 
 
 def load_sharded(path: str, model, optimizer=None) -> None:
@@ -216,53 +273,31 @@ def load_sharded(path: str, model, optimizer=None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    m = model.manager
+    kwargs = _dcp_kwargs(model.manager)
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    sizes = {k: v.size[0] for k, v in meta.items() if hasattr(v, "size") and len(v.size) == 1}
-    wanted, targets = {}, []
-    for chunk, info, start, (lo, hi) in _my_slices(m):
-        stop = start + hi - lo
-        prefixes = ["model/"] + ([f"optim/{k}/" for k in _saved_state_keys(meta)] if optimizer else [])
-        for prefix in prefixes:
-            for key, s in _overlaps(sizes, prefix, info.name, start, stop, sizes):
-                wanted[key] = torch.zeros(sizes[key], dtype=torch.float32)
-                targets.append((prefix, chunk, lo, start, stop, key, s))
+    load_sharded_state_dict(model, optimizer, meta, lambda sd: dcp.load(sd, checkpoint_id=path, **kwargs))
     if optimizer is not None:
-        wanted["meta/optim"] = torch.zeros(sizes["meta/optim"], dtype=torch.uint8)
-    dcp.load(wanted, checkpoint_id=path, **_dcp_kwargs(m))
-    _apply(m, optimizer, wanted, targets)
-
-
-def _saved_state_keys(meta) -> list[str]:
-    return sorted({k.split("/")[1] for k in meta if k.startswith("optim/")})
+        blob = {"meta/optim": torch.zeros(meta["meta/optim"].size, dtype=torch.uint8)}
+        dcp.load(blob, checkpoint_id=path, **kwargs)
+        saved = pickle.loads(blob["meta/optim"].numpy().tobytes())
+        for g, sg in zip(optimizer.optim.param_groups, saved["param_groups"]):
+            g.update(sg)
+        optimizer.scaler.load_state_dict(saved["loss_scaler"])
 
 
 def _apply(m, optimizer, wanted: dict, targets: list) -> None:
-    fakes = {}
-    if optimizer is not None:
-        for cid, slices in optimizer.slices.items():
-            for fake, lo, _, _ in slices:
-                fakes[(cid, lo)] = fake
+    fakes = _fakes(optimizer)
     for prefix, chunk, lo, start, stop, key, s in targets:
         a, b = max(start, s), min(stop, s + wanted[key].numel())
         src = wanted[key][a - s : b - s]
-        if prefix == "model/":
+        if prefix.startswith("model/"):
             chunk.master[lo + a - start : lo + b - start].copy_(src)
             continue
         fake = fakes[(chunk.id, lo)]
         state = optimizer.optim.state.setdefault(fake, {})
-        k = prefix.split("/")[1]
+        k = prefix.rsplit("/", 1)[1]
         if k not in state:
             state[k] = torch.zeros_like(fake)
         state[k][a - start : b - start].copy_(src)
     for chunk in m.chunks:
         m.refresh_working(chunk)
-    if optimizer is not None:
-        saved = pickle.loads(wanted["meta/optim"].numpy().tobytes())
-        for fake in fakes.values():
-            optimizer.optim.state.setdefault(fake, {}).update(
-                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved["scalars"].items()}
-            )
-        for g, sg in zip(optimizer.optim.param_groups, saved["param_groups"]):
-            g.update(sg)
-        optimizer.scaler.load_state_dict(saved["loss_scaler"])

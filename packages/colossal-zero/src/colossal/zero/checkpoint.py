@@ -5,9 +5,12 @@ sharded (``torch.distributed.checkpoint``, loadable on any world size).
 Every rank saves, for each parameter slice inside its shard, plain 1-D fp32 tensors keyed
 ``model/<name>@<first element>`` and ``optim/<name>/<state key>@<first element>``; scalar
 optimizer states (Adam's ``step``) are saved as ``optim/<name>/<key>`` by every rank (DCP keeps
-one copy). Hyperparameters and the loss scaler travel pickled in ``zero/extra``. To load, a rank
-reads the checkpoint's metadata, asks DCP for just the chunks that overlap the slices it now
-owns, and copies the overlaps, so the saving and loading world sizes (and stages) are independent.
+one copy); buffers and frozen parameters are whole ``model/<name>@0`` pieces. Hyperparameters and
+the loss scaler travel pickled in ``zero/extra``. To load, a rank reads the checkpoint's metadata,
+asks DCP for just the chunks that overlap the slices it now owns, and copies the overlaps, so the
+saving and loading world sizes (and stages) are independent. Any non-overlapping pieces that cover
+a parameter load, whoever wrote them: this is the format of every ``colossalai`` Booster plugin
+(``sharded_state_dict`` / ``load_sharded_state_dict`` are the narrow interface it uses).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "save_sharded",
     "load_sharded",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
 ]
 
 
@@ -140,21 +145,31 @@ def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> Non
         zero.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-def save_sharded(zero: ZeroOptimizer, path: str) -> None:
-    """Write this rank's slices (see the module note) with ``dcp.save``; call on every rank."""
+def sharded_state_dict(zero: ZeroOptimizer, *, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
+    """The pieces this rank writes (module note): views of its own slices, never a gathered tensor."""
     sd: dict[str, torch.Tensor] = {}
+    managed = {id(p) for flat in zero.flats for p in flat.params}
     for flat in zero.flats:
-        vals = _values(flat).detach().float().cpu()
-        state = zero._flat_state(flat) if flat.master is not None else {}
+        vals = _values(flat).detach()
+        state = zero._flat_state(flat) if include_optimizer and flat.master is not None else {}
         for s in flat.slices():
             name, lo = flat.names[s.index], s.shard_start
-            sd[f"model/{name}@{s.param_start}"] = vals[lo : lo + s.numel].clone()
+            sd[f"model/{name}@{s.param_start}"] = vals[lo : lo + s.numel].float()
             for key, v in state.items():
                 if _is_shard(flat, v):
-                    sd[f"optim/{name}/{key}@{s.param_start}"] = v[lo : lo + s.numel].detach().cpu().clone()
+                    sd[f"optim/{name}/{key}@{s.param_start}"] = v.detach()[lo : lo + s.numel]
         for name, (key, v) in itertools.product(flat.names, state.items()):
             if not _is_shard(flat, v):
-                sd[f"optim/{name}/{key}"] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+                sd[f"optim/{name}/{key}"] = v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v)
+    for name, t in zero.module.state_dict(keep_vars=True).items():  # buffers, frozen parameters
+        if id(t) not in managed:
+            sd[f"model/{name}@0"] = t.detach().reshape(-1)
+    return sd
+
+
+def save_sharded(zero: ZeroOptimizer, path: str) -> None:
+    """Write this rank's slices (see the module note) with ``dcp.save``; call on every rank."""
+    sd = sharded_state_dict(zero)
     extra = {
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups],
         "loss_scaler": zero.scaler.state_dict(),
@@ -170,33 +185,68 @@ def load_sharded(zero: ZeroOptimizer, path: str) -> None:
     import torch.distributed.checkpoint as dcp  # heavy import, only when checkpointing
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    chunks: dict[str, list[tuple[int, int, str]]] = {}
-    for key, m in meta.items():
-        if "@" in key:
-            prefix, start = key.rsplit("@", 1)
-            chunks.setdefault(prefix, []).append((int(start), m.size[0], key))
-    wanted = {k for k in meta if "@" not in k and (k.startswith("optim/") or k == "zero/extra")}
-    for flat in zero.flats:
-        for s in flat.slices():
-            for prefix in _prefixes(flat.names[s.index], chunks):
-                wanted.update(
-                    k for st, n, k in chunks[prefix] if st < s.param_start + s.numel and s.param_start < st + n
-                )
-    loaded = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in wanted}
-    dcp.load(loaded, checkpoint_id=path)
-    for flat in zero.flats:
-        _values(flat).copy_(_assemble(flat, "model/{}", chunks, loaded))
-        if flat.master is not None:
-            _load_flat_state(zero, flat, chunks, loaded)
-    extra = pickle.loads(loaded["zero/extra"].numpy().tobytes())
+    load_sharded_state_dict(zero, meta, lambda sd: dcp.load(sd, checkpoint_id=path))
+    extra = {"zero/extra": torch.empty(meta["zero/extra"].size, dtype=torch.uint8)}
+    dcp.load(extra, checkpoint_id=path)
+    extra = pickle.loads(extra["zero/extra"].numpy().tobytes())
     for g, sg in zip(zero.optimizer.param_groups, extra["param_groups"], strict=True):
         g.update(sg)
     zero.scaler.load_state_dict(extra["loss_scaler"])
+
+
+def _index(metadata) -> dict[str, list[tuple[int, int, str]]]:
+    """``prefix -> [(first element, numel, key)]`` of every 1-D piece in the checkpoint."""
+    chunks: dict[str, list[tuple[int, int, str]]] = {}
+    for key, m in metadata.items():
+        head, _, start = key.rpartition("@")
+        if head and start.isdigit() and len(getattr(m, "size", ())) == 1:
+            chunks.setdefault(head, []).append((int(start), m.size[0], key))
+    return chunks
+
+
+def _wanted(zero: ZeroOptimizer, metadata, chunks: dict, include_optimizer: bool) -> set[str]:
+    """Keys of the pieces overlapping this rank's slices (and of its scalars and whole entries)."""
+    wanted: set[str] = set()
+    managed = {id(p) for flat in zero.flats for p in flat.params}
+    for flat in zero.flats:
+        opt = include_optimizer and flat.master is not None
+        for s in flat.slices():
+            lo, hi = s.param_start, s.param_start + s.numel
+            for prefix in _prefixes(flat.names[s.index], chunks, opt):
+                wanted.update(k for st, n, k in chunks[prefix] if st < hi and lo < st + n)
+        if opt:
+            wanted.update(k for k in metadata if k.startswith(f"optim/{flat.names[0]}/") and "@" not in k)
+    for name, t in zero.module.state_dict(keep_vars=True).items():
+        if id(t) not in managed:
+            wanted.update(k for *_, k in chunks.get(f"model/{name}", ()))
+    return wanted
+
+
+def load_sharded_state_dict(zero: ZeroOptimizer, metadata, load, *, include_optimizer: bool = True) -> None:
+    """Load the pieces overlapping this rank's slices. ``metadata``: the checkpoint's DCP
+    ``state_dict_metadata`` (key -> sizes); ``load(tensors)``: fills a dict of tensors with the
+    checkpoint's values in place (one ``dcp.load``; collective, every rank calls it once)."""
+    chunks = _index(metadata)
+    wanted = _wanted(zero, metadata, chunks, include_optimizer)
+    loaded = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in sorted(wanted)}
+    load(loaded)
+    managed = {id(p) for flat in zero.flats for p in flat.params}
+    for flat in zero.flats:
+        _values(flat).copy_(_assemble(flat, "model/{}", chunks, loaded))
+        if include_optimizer and flat.master is not None:
+            _load_flat_state(zero, flat, chunks, loaded)
+    with torch.no_grad():
+        for name, t in zero.module.state_dict(keep_vars=True).items():
+            if id(t) not in managed and chunks.get(f"model/{name}"):
+                full = torch.zeros(t.numel(), dtype=t.dtype)
+                for start, n, key in chunks[f"model/{name}"]:
+                    full[start : start + n] = loaded[key]
+                t.copy_(full.view(t.shape))
     _publish(zero)
 
 
-def _prefixes(name: str, chunks: dict) -> list[str]:
-    return [p for p in chunks if p == f"model/{name}" or p.startswith(f"optim/{name}/")]
+def _prefixes(name: str, chunks: dict, include_optimizer: bool = True) -> list[str]:
+    return [p for p in chunks if p == f"model/{name}" or (include_optimizer and p.startswith(f"optim/{name}/"))]
 
 
 def _assemble(flat: FlatParam, pattern: str, chunks: dict, loaded: dict) -> torch.Tensor:

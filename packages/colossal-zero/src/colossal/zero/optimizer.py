@@ -317,6 +317,18 @@ class ZeroOptimizer:
         """Load a checkpoint written by :meth:`save_sharded` on any number of ranks."""
         checkpoint.load_sharded(self, path)
 
+    def sharded_state_dict(self, *, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the flat-slice checkpoint format (``model/<name>@<start>``,
+        ``optim/<name>/<key>@<start>``, scalars ``optim/<name>/<key>``; [Note: the sharded layout]
+        in :mod:`colossal.zero.checkpoint`): views of its own slices, nothing gathered."""
+        return checkpoint.sharded_state_dict(self, include_optimizer=include_optimizer)
+
+    def load_sharded_state_dict(self, metadata, load, *, include_optimizer: bool = True) -> None:
+        """Load a flat-slice checkpoint written on any world size, reading only the pieces that
+        overlap this rank's slices: ``metadata`` is its DCP ``state_dict_metadata``, ``load(tensors)``
+        fills a dict of tensors in place (e.g. ``dcp.load``); collective, once per rank."""
+        checkpoint.load_sharded_state_dict(self, metadata, load, include_optimizer=include_optimizer)
+
 
 class _CommTap:
     """Comm observer adding this engine's collectives (tag ``zero.*``) to the current step."""

@@ -1,8 +1,9 @@
 """Gemini: chunk-based heterogeneous memory (device + host tiers) through ``colossal.gemini``.
 
-Checkpoints use Gemini's gathered, name-keyed states (see [Note: ZeRO state in checkpoints] in
-``zero_plugin.py``, same trade-off), re-shaped into the ``torch.distributed.checkpoint.state_dict``
-layout so that they interchange with every other plugin.
+Checkpoints are Gemini's own flat slices (``colossal.gemini.sharded_state_dict`` /
+``load_sharded_state_dict``), the format every plugin writes: see [Note: ZeRO state in
+checkpoints] in ``zero_plugin.py``; nothing is gathered. The gathered, name-keyed
+``model_state_dict`` / ``optimizer_state_dict`` remain for exports.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import EngineBoostedOptimizer
+from colossalai.checkpoint.slices import GROUPS_KEY, apply_groups, groups_blob
 
 __all__ = ["GeminiPlugin", "GeminiBoostedOptimizer", "CPU_DEFAULT_BUDGET"]
 
@@ -121,6 +123,25 @@ class GeminiPlugin(Plugin):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
         sd = {"state": state["state"], "param_groups": groups, "loss_scaler": self.engine.scaler.state_dict()}
         gemini_checkpoint.load_optimizer_state_dict(self.engine, sd)
+
+    def checkpoint_pieces(self, model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
+        """This rank's master slices (and optimizer-state slices), plus the hyperparameters."""
+        from colossal.gemini import sharded_state_dict
+
+        if optimizer is None:
+            return sharded_state_dict(self.model)
+        materialize_optimizer_state(self.engine.optim)
+        pieces = sharded_state_dict(self.model, self.engine)
+        return {**pieces, GROUPS_KEY: groups_blob(self.engine.optim.param_groups)}
+
+    def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
+        """Read the pieces overlapping this rank's chunk shards (the loss scaler travels in the run state)."""
+        from colossal.gemini import load_sharded_state_dict
+
+        engine = self.engine if optimizer is not None else None
+        load_sharded_state_dict(self.model, engine, reader.metadata, reader.load)
+        if optimizer is not None:
+            apply_groups(self.engine.optim.param_groups, reader.groups())
 
     def __repr__(self) -> str:
         return f"GeminiPlugin(placement={self.placement!r}, device_memory_budget={self.budget})"

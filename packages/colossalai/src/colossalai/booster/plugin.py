@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from colossalai.booster.precision import Precision
+from colossalai.checkpoint.slices import aliases, fill_state, pieces_from_state
 from colossalai.data.dataset import ResumableDistributedSampler
 
 __all__ = ["Plugin", "world_size", "world_rank", "param_names", "rebind_optimizer", "materialize_optimizer_state"]
@@ -127,6 +128,25 @@ class Plugin(abc.ABC):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load what :meth:`optimizer_state_dict` produced."""
         dcp_sd.set_optimizer_state_dict(model, optimizer, state)
+
+    # ---- checkpoints: the flat-slice format ([Note: flat-slice checkpoints]) ------------------------
+    def checkpoint_pieces(self, model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
+        """This rank's pieces of a checkpoint (``model/<name>@<start>``, ``optim/<name>/<key>@<start>``,
+        ...; :mod:`colossalai.checkpoint.slices`). Default: from :meth:`model_state_dict` and
+        :meth:`optimizer_state_dict` (whole tensors; a DTensor gives its local block)."""
+        optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
+        return pieces_from_state(self.model_state_dict(model), optim_sd, aliases(self.unwrap(model)))
+
+    def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
+        """Load model (and optimizer) from a :class:`~colossalai.checkpoint.SliceReader`, reading
+        only the pieces overlapping this rank's tensors. Default: fills the templates of
+        :meth:`model_state_dict` / :meth:`optimizer_state_dict`, then loads them."""
+        model_sd = self.model_state_dict(model)
+        optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
+        fill_state(reader, model_sd, optim_sd, aliases(self.unwrap(model)))
+        self.load_model_state_dict(model, model_sd)
+        if optimizer is not None:
+            self.load_optimizer_state_dict(model, optimizer, optim_sd)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model, unsharded, on the CPU of rank 0 (other ranks may get an empty dict)."""

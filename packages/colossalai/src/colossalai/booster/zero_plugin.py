@@ -2,12 +2,13 @@
 
 [Note: ZeRO state in checkpoints]
 ``colossal.zero`` shards flat buffers whose ranges cross parameter boundaries, so its shards are
-not DTensors. To stay interchangeable with every other plugin the ZeroPlugin hands DCP the
-*gathered* model and optimizer states keyed by parameter name, in exactly the layout of
-``torch.distributed.checkpoint.state_dict`` (``{"state": {fqn: {...}}, "param_groups": [...,
-"params": [fqn, ...]]}``): each rank holds a full CPU copy while saving or loading, and DCP
-writes one copy. This trades checkpoint-time host memory for portability; ZeRO's own
-``save_sharded`` (truly sharded, ZeRO-only) remains available on ``plugin.engine``.
+not DTensors. Checkpoints use the flat-slice format ([Note: flat-slice checkpoints] in
+:mod:`colossalai.checkpoint.slices`), which is ZeRO's own sharded layout: each rank hands DCP
+views of its own slices (``engine.sharded_state_dict()``) and, to load, reads only the pieces that
+overlap them (``engine.load_sharded_state_dict``), whatever plugin and world size wrote them. No
+rank gathers the model or the optimizer state. ``model_state_dict`` / ``optimizer_state_dict``
+(gathered, name-keyed, the ``torch.distributed.checkpoint.state_dict`` layout) remain for exports
+and for the hybrid plugin's tensor-parallel ZeRO.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import EngineBoostedOptimizer
+from colossalai.checkpoint.slices import GROUPS_KEY, apply_groups, groups_blob
 
 __all__ = ["ZeroPlugin", "ZeroBoostedOptimizer", "zero_optimizer_state", "load_zero_optimizer"]
 
@@ -112,6 +114,19 @@ class ZeroPlugin(Plugin):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
         """Inverse of :meth:`optimizer_state_dict` (the loss scaler travels in the run state)."""
         load_zero_optimizer(self.engine, self._index_names, state)
+
+    def checkpoint_pieces(self, model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
+        """ZeRO's own slices (see the module note) and the optimizer's hyperparameters."""
+        if optimizer is None:
+            return self.engine.sharded_state_dict(include_optimizer=False)
+        materialize_optimizer_state(self.engine.optimizer)
+        return {**self.engine.sharded_state_dict(), GROUPS_KEY: groups_blob(self.engine.optimizer.param_groups)}
+
+    def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
+        """Read the pieces overlapping this rank's slices (the loss scaler travels in the run state)."""
+        self.engine.load_sharded_state_dict(reader.metadata, reader.load, include_optimizer=optimizer is not None)
+        if optimizer is not None:
+            apply_groups(self.engine.optimizer.param_groups, reader.groups())
 
     def __repr__(self) -> str:
         return f"ZeroPlugin(stage={self.stage}, offload={self.offload})"

@@ -5,6 +5,7 @@ from colossalai.checkpoint.atomic import LATEST, atomic_checkpoint_dir, read_lat
 from colossalai.checkpoint.run_state import RUN_FILE, capture_rng, load_rng, restore_rng, save_rng
 from colossalai.checkpoint.safetensors_io import INDEX_NAME, load_safetensors_folder, save_safetensors_folder
 from colossalai.checkpoint.sharded import load_sharded, save_sharded
+from colossalai.checkpoint.slices import GROUPS_KEY, SliceReader
 
 __all__ = [
     "LATEST",
@@ -21,4 +22,6 @@ __all__ = [
     "load_safetensors_folder",
     "save_sharded",
     "load_sharded",
+    "SliceReader",
+    "GROUPS_KEY",
 ]
