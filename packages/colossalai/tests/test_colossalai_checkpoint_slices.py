@@ -1,7 +1,8 @@
 """Flat-slice checkpoints of the sharded plugins: a ZeRO-3 / Gemini save on 2 ranks writes per-rank
 pieces whose sizes sum to the model (no rank hands DCP the whole model), and a load on 4 ranks reads
 only the pieces that overlap what each rank owns, then trains on with the losses of an
-uninterrupted run (1e-5 relative, fp32: see test_colossalai_checkpoint.py).
+uninterrupted run (1e-5 relative, fp32: see test_colossalai_checkpoint.py). A checkpoint with a
+piece missing is refused on every rank from its metadata.
 """
 
 import collections
@@ -108,3 +109,26 @@ def test_fsdp_ranks_write_their_rows(tmp_path):
     model_numels = [m for _, m, _ in saved]
     assert sum(model_numels) == MODEL_NUMEL and max(model_numels) < 0.75 * MODEL_NUMEL, model_numels
     assert sum(o for *_, o in saved) == 2 * MODEL_NUMEL
+
+
+def _load_damaged(root: str):
+    booster, model, optim, _ = boosted_setup(_plugin("zero3"))
+    with pytest.raises(ValueError, match="overlap or leave a gap|holds"):
+        booster.load_run(root, model, optim)
+    return True
+
+
+def test_damaged_checkpoint_raises_on_every_rank(tmp_path):
+    """A checkpoint missing one piece is refused from its metadata on every rank (no hang, no zeros)."""
+    run_distributed(_save, 2, "zero3", str(tmp_path), timeout=120)
+    path = str(next(tmp_path.glob("step-*")) / "dcp")
+    reader = FileSystemReader(path)
+    meta = reader.read_metadata()
+    starts = collections.Counter(k.rsplit("@", 1)[0] for k in meta.state_dict_metadata if k.startswith("model/"))
+    victim = next(f"{p}@0" for p, n in starts.items() if n > 1)  # a parameter split over the 2 ranks
+    del meta.state_dict_metadata[victim]
+    import pickle
+
+    with open(pathlib.Path(path) / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    assert run_distributed(_load_damaged, 2, str(tmp_path), timeout=120) == [True, True]

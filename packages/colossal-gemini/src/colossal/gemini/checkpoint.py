@@ -232,6 +232,18 @@ def _by_name(keys) -> dict[str, list[str]]:
     return out
 
 
+def _check_complete(manager, pieces) -> None:
+    """ValueError when the pieces of a parameter (or of its states) do not add up to it; every rank
+    knows every chunk's tensors, so all raise alike, before the collective load."""
+    states = _by_name(pieces)
+    for chunk in manager.chunks:
+        for info in chunk.tensors:
+            for prefix in [f"model/{info.name}", *states.get(info.name, ())]:
+                held = sum(n for _, n, _ in pieces.get(prefix, ()))
+                if held != info.numel:
+                    raise ValueError(f"the checkpoint holds {held} of the {info.numel} elements of {prefix!r}")
+
+
 def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
     """Keys to read and ``(prefix, chunk, lo, start, stop, key, saved start)`` copies to make."""
     wanted, targets = set(), []
@@ -253,6 +265,7 @@ def load_sharded_state_dict(model, optimizer, metadata, load) -> None:
     slices: ``metadata`` is the checkpoint's DCP ``state_dict_metadata``, ``load(tensors)`` fills a
     dict of tensors in place (one ``dcp.load``: collective, every rank calls it once)."""
     pieces = _pieces(metadata)
+    _check_complete(model.manager, pieces)
     wanted, targets = _targets(model.manager, optimizer, metadata, pieces)
     buffers = {n: b for n, b in model.module.named_buffers() if f"model/{n}" in pieces}
     wanted.update(k for n in buffers for *_, k in pieces[f"model/{n}"])

@@ -227,6 +227,7 @@ def load_sharded_state_dict(zero: ZeroOptimizer, metadata, load, *, include_opti
     ``state_dict_metadata`` (key -> sizes); ``load(tensors)``: fills a dict of tensors with the
     checkpoint's values in place (one ``dcp.load``; collective, every rank calls it once)."""
     chunks = _index(metadata)
+    _check_complete(zero, chunks)
     wanted = _wanted(zero, metadata, chunks, include_optimizer)
     loaded = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in sorted(wanted)}
     load(loaded)
@@ -243,6 +244,17 @@ def load_sharded_state_dict(zero: ZeroOptimizer, metadata, load, *, include_opti
                     full[start : start + n] = loaded[key]
                 t.copy_(full.view(t.shape))
     _publish(zero)
+
+
+def _check_complete(zero: ZeroOptimizer, chunks: dict) -> None:
+    """ValueError when the pieces of a parameter (or of its states) do not add up to it. Every rank
+    knows every parameter's size, so all raise alike, before the collective load."""
+    for flat in zero.flats:
+        for name, numel in zip(flat.names, flat.numels, strict=True):
+            for prefix in {f"model/{name}", *_prefixes(name, chunks)}:
+                held = sum(n for _, n, _ in chunks.get(prefix, ()))
+                if held != numel:
+                    raise ValueError(f"the checkpoint holds {held} of the {numel} elements of {prefix!r}")
 
 
 def _prefixes(name: str, chunks: dict, include_optimizer: bool = True) -> list[str]:

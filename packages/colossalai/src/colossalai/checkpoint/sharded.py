@@ -49,4 +49,5 @@ def load_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=
         reader = SliceReader(path)
         if not any(k.startswith("model/") for k in reader.pieces):
             raise ValueError(f"{path} is not a flat-slice checkpoint (no 'model/<name>@<start>' pieces)")
+        reader.check(n for n, _ in plugin.unwrap(model).named_parameters())  # first names of tied ones
         plugin.load_checkpoint_pieces(model, optimizer, reader)

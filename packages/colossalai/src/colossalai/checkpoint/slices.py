@@ -121,6 +121,19 @@ class SliceReader:
         self.read_keys: list[str] = []
         self.read_numel = 0
 
+    def check(self, names) -> None:
+        """ValueError when a parameter of ``names`` has no pieces, or a tensor's pieces overlap or
+        leave a gap: decided from the metadata alone, so on every rank alike, before any collective."""
+        missing = [n for n in names if f"model/{n}" not in self.pieces]
+        if missing:
+            raise ValueError(f"{self.path} has no pieces of the parameters {missing[:4]} ({len(missing)} missing)")
+        for prefix, pieces in self.pieces.items():
+            end = 0
+            for start, n, key in sorted(pieces):
+                if start != end:
+                    raise ValueError(f"{self.path}: the pieces of {prefix!r} overlap or leave a gap at {key!r}")
+                end = start + n
+
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill ``tensors`` (keys of this checkpoint) in place: one ``dcp.load``, collective."""
         self.read_keys += list(tensors)
@@ -172,6 +185,9 @@ def _request(reader: SliceReader, prefix: str, value) -> tuple[list[str], tuple 
         if prefix not in reader.metadata:
             raise ValueError(f"the checkpoint has no entry {prefix!r}")
         return [prefix], None
+    held = sum(n for _, n, _ in reader.pieces.get(prefix, ()))
+    if held != value.numel():  # the global numel: every rank decides alike, before any collective
+        raise ValueError(f"the checkpoint holds {held} of the {value.numel()} elements of {prefix!r}")
     local, start = _layout(value)
     if start is None:  # a non-contiguous block: read the whole tensor, keep the block
         box = tuple(slice(o, o + n) for o, n in zip(value.__create_chunk_list__()[0].offsets, local.shape, strict=True))
