@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _colossal_optim_helpers import make_grads, make_params, my_shard, shard_bounds
 
 from colossal.comm.testing import run_distributed
-from colossal.optim import Lamb, Lars, group_norm_reducer
+from colossal.optim import CPUAdam, Lamb, Lars, group_norm_reducer
 
 STEPS = 4
 KWARGS = {"Lamb": dict(lr=0.02, weight_decay=0.05), "Lars": dict(lr=1.0, weight_decay=1e-3, eta=0.02)}
@@ -89,7 +89,7 @@ def test_reducer_uses_whole_parameter_norm():
     assert out[1] == pytest.approx(12.0 - ratio, rel=1e-6)
 
 
-@pytest.mark.parametrize("cls", [Lamb, Lars])
+@pytest.mark.parametrize("cls", [Lamb, Lars, CPUAdam])
 def test_views_of_an_engine_buffer_are_never_moved(cls):
     # ZeRO hands a parameter that fills its whole master shard as ``master[0:n]``: flattening must
     # leave such views in place, or the updates would no longer reach the engine's buffer.
@@ -101,3 +101,20 @@ def test_views_of_an_engine_buffer_are_never_moved(cls):
         cls([view], lr=0.1).step()
         assert view._base is not None and not torch.equal(view, before)
     assert torch.equal(master, whole)  # the update landed in the base buffer
+
+
+def test_a_reused_address_is_not_mistaken_for_a_flat_buffer():
+    # A flat buffer is remembered by its storage object, not its address: once it is freed, an
+    # unrelated buffer allocated at the same address must not count as ours (and be flattened).
+    import weakref
+
+    from colossal.optim import _flat
+
+    foreign, gone = torch.zeros(64), torch.zeros(64)
+    _flat._OWN_STORAGES[foreign.untyped_storage().data_ptr()] = weakref.ref(gone.untyped_storage())
+    assert not _flat.in_flat_buffer(foreign[:32]) and not _flat.flattenable(foreign[:32])
+    del _flat._OWN_STORAGES[foreign.untyped_storage().data_ptr()]
+    opt = Lamb([torch.nn.Parameter(torch.randn(40))], lr=0.1)
+    opt.param_groups[0]["params"][0].grad = torch.randn(40)
+    opt.step()
+    assert _flat.in_flat_buffer(opt.param_groups[0]["params"][0])  # moved into a buffer of ours

@@ -15,6 +15,7 @@ copied.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -25,9 +26,37 @@ __all__ = ["FlatSpace", "flattenable", "ADAM_MOMENTS"]
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+# [Note: whose storage may be moved]
+# Flattening re-points ``p.data`` into a new buffer. That is safe for a tensor alone in its
+# storage, and for one already inside a flat buffer of ours (a rebuild), but never for a view
+# into someone else's buffer (ZeRO/Gemini master shards, which must keep receiving the updates),
+# even a view that spans all of it (``_base`` set). Our buffers are remembered by their storage
+# objects (weakly, by identity: torch keeps one Python object per live storage), not by address:
+# a freed buffer's address is soon reused by an unrelated allocation.
+_OWN_STORAGES: dict[int, weakref.ref] = {}  # data_ptr -> storage of a FlatSpace parameter buffer
+
+
+def _remember_storage(buf: Tensor) -> None:
+    for ptr in [k for k, ref in _OWN_STORAGES.items() if ref() is None]:
+        del _OWN_STORAGES[ptr]
+    storage = buf.untyped_storage()
+    _OWN_STORAGES[storage.data_ptr()] = weakref.ref(storage)
+
+
+def in_flat_buffer(p: Tensor) -> bool:
+    """``p`` lives in the parameter buffer of a (live) :class:`FlatSpace`."""
+    storage = p.untyped_storage()
+    ref = _OWN_STORAGES.get(storage.data_ptr())
+    return ref is not None and ref() is storage
+
+
 def flattenable(p: Tensor) -> bool:
-    """A dense, contiguous, real floating-point CPU tensor whose storage it may be moved out of."""
-    return p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous() and p.is_floating_point()
+    """A dense, contiguous, real floating-point CPU tensor whose storage it may be moved out of
+    (see ``[Note: whose storage may be moved]``)."""
+    if not (p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous() and p.is_floating_point()):
+        return False
+    alone = p._base is None and p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    return alone or in_flat_buffer(p)
 
 
 class FlatSpace:
@@ -63,6 +92,7 @@ class FlatSpace:
             offset += -(-n // align) * align
         total, self.padded = offset, offset != sum(sizes)
         self.param_flat = torch.zeros(total, dtype=dtype)  # (N,) working weights
+        _remember_storage(self.param_flat)
         self.grad_flat = torch.zeros(total, dtype=dtype)  # (N,) gradients, param dtype
         self.has_master = master_dtype != dtype
         self.master_flat = torch.zeros(total, dtype=master_dtype) if self.has_master else self.param_flat

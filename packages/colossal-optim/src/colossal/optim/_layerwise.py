@@ -115,7 +115,6 @@ class LayerwiseOptimizer(Optimizer):
         self.norm_reducer = norm_reducer
         self.flatten = bool(flatten)
         self._flats: dict[int, tuple[dict[str, Any], list[Flat]]] = {}  # id(group) -> (group, spaces)
-        self._own_storages: set[int] = set()  # data_ptr of the storages of our flat parameter buffers
 
     def _flat_spaces(self, group: dict[str, Any], moments: tuple[str, ...], step: bool) -> list[Flat]:
         """The group's flat spaces (built at first use, rebuilt if params moved); [] without flatten."""
@@ -135,20 +134,13 @@ class LayerwiseOptimizer(Optimizer):
                 Flat(FlatSpace(ps, self.state, ps[0].dtype, align=ROW, moments=moments, step=step))
                 for ps in buckets.values()
             ]
-            self._own_storages.update(f.space.param_flat.untyped_storage().data_ptr() for f in flats)
             entry = self._flats[id(group)] = (group, flats)
         return entry[1]
 
     def _may_flatten(self, p: Tensor) -> bool:
-        """A float32/float64 CPU tensor alone in its storage, or in one of our flat buffers: never a
-        view into someone else's buffer (ZeRO/Gemini master shards), which must keep receiving the updates."""
-        if not (flattenable(p) and p.numel() and p.dtype in (torch.float32, torch.float64)):
-            return False
-        storage = p.untyped_storage()
-        # A view (``_base`` set) belongs to its base even when it spans all of it (ZeRO hands a
-        # parameter that fills a whole master shard as ``master[0:n]``): never move it.
-        alone = p._base is None and p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size()
-        return alone or storage.data_ptr() in self._own_storages
+        """A non-empty float32/float64 CPU tensor alone in its storage, or in one of our flat buffers:
+        never a view into someone else's buffer (``[Note: whose storage may be moved]``)."""
+        return flattenable(p) and p.numel() > 0 and p.dtype in (torch.float32, torch.float64)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict (of either layout); flat buffers are rebuilt from it at the next step."""
