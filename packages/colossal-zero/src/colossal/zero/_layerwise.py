@@ -100,9 +100,25 @@ class ParamShardViews:
                 k: (s[a:b].clone() if isinstance(s, Tensor) and s.dim() >= 1 else _copy(s)) for k, s in state.items()
             }
 
+    def param_scalars(self, flat: FlatParam) -> list[dict]:
+        """Each parameter's scalar states (LARS keeps a per-parameter ``scale``; Adam's ``step`` is shared)."""
+        return [
+            {k: v for k, v in self.optimizer.state.get(view, {}).items() if not _per_element(v)}
+            for view in self.views[id(flat)]
+        ]
+
+    def set_param_scalars(self, flat: FlatParam, scalars: list[dict]) -> None:
+        """Inverse of :meth:`param_scalars` (after :meth:`set_flat_state`)."""
+        for view, sc in zip(self.views[id(flat)], scalars, strict=True):
+            self.optimizer.state.setdefault(view, {}).update({k: _copy(v) for k, v in sc.items()})
+
     def state_tensors(self, flat: FlatParam) -> list[Tensor]:
         """Every optimizer state tensor of ``flat``'s views (for memory accounting)."""
         return [t for v in self.views[id(flat)] for t in self.optimizer.state.get(v, {}).values() if torch.is_tensor(t)]
+
+
+def _per_element(v) -> bool:
+    return isinstance(v, Tensor) and v.dim() >= 1
 
 
 def _copy(v):

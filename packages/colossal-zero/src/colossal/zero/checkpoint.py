@@ -75,11 +75,12 @@ def full_optimizer_state_dict(zero: ZeroOptimizer) -> dict:
     """``torch.optim``-format state over the original parameters, plus ``"loss_scaler"``."""
     index, state = _param_index(zero), {}
     for flat in (f for f in zero.flats if f.master is not None):
-        per = [{} for _ in flat.params]
+        per = [{k: _copy(v) for k, v in sc.items()} for sc in zero._param_scalars(flat)]
         for key, v in zero._flat_state(flat).items():
-            full = _gather_full(zero, v) if _is_shard(flat, v) else None
-            for d, off, n, shape in zip(per, flat.offsets, flat.numels, flat.shapes, strict=True):
-                d[key] = full[off : off + n].view(shape).clone() if full is not None else _copy(v)
+            if _is_shard(flat, v):
+                full = _gather_full(zero, v)
+                for d, off, n, shape in zip(per, flat.offsets, flat.numels, flat.shapes, strict=True):
+                    d[key] = full[off : off + n].view(shape).clone()
         state.update({index[id(p)]: d for p, d in zip(flat.params, per, strict=True) if d})
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in orig]}
@@ -90,6 +91,10 @@ def full_optimizer_state_dict(zero: ZeroOptimizer) -> dict:
 
 def _copy(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _per_element(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 1
 
 
 def _publish(zero: ZeroOptimizer) -> None:
@@ -141,6 +146,8 @@ def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> Non
             else:
                 new[key] = _copy(v0)
         zero._set_flat_state(flat, new)
+        scalars = [{k: v for k, v in (d or first).items() if not _per_element(v)} for d in per]
+        zero._set_param_scalars(flat, scalars)  # per parameter (LARS's scale)
     if "loss_scaler" in state_dict:
         zero.scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -158,8 +165,9 @@ def sharded_state_dict(zero: ZeroOptimizer, *, include_optimizer: bool = True) -
             for key, v in state.items():
                 if _is_shard(flat, v):
                     sd[f"optim/{name}/{key}@{s.param_start}"] = v.detach()[lo : lo + s.numel]
-        for name, (key, v) in itertools.product(flat.names, state.items()):
-            if not _is_shard(flat, v):
+        scalars = zero._param_scalars(flat) if state else []
+        for name, sc in zip(flat.names, scalars):  # per parameter (LARS's scale)
+            for key, v in sc.items():
                 sd[f"optim/{name}/{key}"] = v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v)
     for name, t in zero.module.state_dict(keep_vars=True).items():  # buffers, frozen parameters
         if id(t) not in managed:
@@ -215,7 +223,8 @@ def _wanted(zero: ZeroOptimizer, metadata, chunks: dict, include_optimizer: bool
             for prefix in _prefixes(flat.names[s.index], chunks, opt):
                 wanted.update(k for st, n, k in chunks[prefix] if st < hi and lo < st + n)
         if opt:
-            wanted.update(k for k in metadata if k.startswith(f"optim/{flat.names[0]}/") and "@" not in k)
+            heads = tuple(f"optim/{name}/" for name in flat.names)
+            wanted.update(k for k in metadata if k.startswith(heads) and "@" not in k)
     for name, t in zero.module.state_dict(keep_vars=True).items():
         if id(t) not in managed:
             wanted.update(k for *_, k in chunks.get(f"model/{name}", ()))
@@ -282,3 +291,6 @@ def _load_flat_state(zero: ZeroOptimizer, flat: FlatParam, chunks: dict, loaded:
     state = {k: _assemble(flat, f"optim/{{}}/{k}", chunks, loaded).to(flat.master.device) for k in keys}
     state.update({k: loaded[f"optim/{name0}/{k}"].clone() for k in scalars})
     zero._set_flat_state(flat, state)
+    zero._set_param_scalars(  # per parameter (LARS's scale)
+        flat, [{k: loaded[f"optim/{n}/{k}"].clone() for k in scalars if f"optim/{n}/{k}" in loaded} for n in flat.names]
+    )

@@ -212,6 +212,18 @@ class ZeroOptimizer:
             return self._views.flat_state(flat)
         return self.optimizer.state.get(flat.master, {})
 
+    def _param_scalars(self, flat: FlatParam) -> list[dict]:
+        """Scalar optimizer states per parameter of ``flat`` (one shared dict for element-wise optimizers)."""
+        if self._views is not None:
+            return self._views.param_scalars(flat)
+        shared = {k: v for k, v in self._flat_state(flat).items() if not (torch.is_tensor(v) and v.dim() >= 1)}
+        return [shared] * len(flat.params)
+
+    def _set_param_scalars(self, flat: FlatParam, scalars: list[dict]) -> None:
+        """Per-parameter scalar states (layer-wise optimizers; element-wise ones share the flat's)."""
+        if self._views is not None:
+            self._views.set_param_scalars(flat, scalars)
+
     def _set_flat_state(self, flat: FlatParam, state: dict) -> None:
         if self._views is not None:
             self._views.set_flat_state(flat, state)
