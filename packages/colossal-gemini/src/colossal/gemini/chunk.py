@@ -45,7 +45,9 @@ class TensorState(enum.Enum):
     COMPUTE = "compute"
     """In use by an operator (forward or backward): its chunk may not be released or moved."""
     HOLD_AFTER_BWD = "hold_after_bwd"
-    """Its module's backward has run but its gradient has not been accumulated yet."""
+    """Its module's backward operator has begun but its gradient has not been accumulated yet: autograd
+    may still read it (a parent module's operator can begin before a child's backward has run), so its
+    chunk stays on the device while autograd still holds saved views of the chunk (``Chunk.saved``)."""
     READY_FOR_REDUCE = "ready_for_reduce"
     """Its gradient is in the chunk's gradient buffer; the chunk is reduced once all its tensors are here."""
 
@@ -57,6 +59,9 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
     TensorState.HOLD_AFTER_BWD: frozenset({TensorState.COMPUTE, TensorState.READY_FOR_REDUCE}),
     TensorState.READY_FOR_REDUCE: frozenset({TensorState.HOLD, TensorState.FREE}),
 }
+
+
+_BUSY = (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD)
 
 
 class ChunkState(enum.Enum):
@@ -111,6 +116,8 @@ class Chunk:
         self.pending = None  # async reduce-scatter handle
         self.gather_handle = None  # async all-gather (prefetch) still writing into payload
         self.states_accounted = False  # optimizer states charged to o_tier (after the first step)
+        self.pins = 0  # modules recomputing their forward inside backward (activation checkpointing)
+        self.saved = 0  # live views of the payload saved by autograd (GeminiDDP's saved-tensor hooks)
 
     # -- packing ---------------------------------------------------------------------------------
     def can_fit(self, numel: int) -> bool:
@@ -155,8 +162,13 @@ class Chunk:
 
     @property
     def in_use(self) -> bool:
-        """True while any tensor is in COMPUTE: the chunk can be neither released nor moved."""
-        return any(info.state is TensorState.COMPUTE for info in self.tensors)
+        """True while any tensor is in COMPUTE, or in HOLD_AFTER_BWD while autograd still holds saved views
+        of the chunk (backward ops of a begun operator may still read them), or the chunk is pinned by a
+        recomputation: the chunk can be neither released nor moved."""
+        if self.pins > 0:
+            return True
+        busy = _BUSY if self.saved else (TensorState.COMPUTE,)
+        return any(info.state in busy for info in self.tensors)
 
     @property
     def ready_for_reduce(self) -> bool:
@@ -177,8 +189,10 @@ class Chunk:
         if self.state is not ChunkState.GATHERED:
             raise IllegalTransitionError(f"chunk {self.id}: to_released from {self.state.name}, expected GATHERED")
         if self.in_use:
-            busy = [i.name for i in self.tensors if i.state is TensorState.COMPUTE]
-            raise IllegalTransitionError(f"chunk {self.id}: cannot release while tensors {busy} are in COMPUTE")
+            busy = [i.name for i in self.tensors if i.state in _BUSY]
+            raise IllegalTransitionError(
+                f"chunk {self.id}: cannot release while tensors {busy} are in COMPUTE/HOLD_AFTER_BWD (pins {self.pins})"
+            )
         self.state = ChunkState.RELEASED
         for info in self.tensors:
             if info.state is TensorState.HOLD:

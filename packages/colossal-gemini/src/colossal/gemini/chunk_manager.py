@@ -239,8 +239,10 @@ class ChunkManager:
 
     def _check_idle(self, chunk: Chunk, what: str) -> None:
         if chunk.in_use:
-            busy = [i.name for i in chunk.tensors if i.state is TensorState.COMPUTE]
-            raise IllegalTransitionError(f"chunk {chunk.id}: cannot {what} while tensors {busy} are in COMPUTE")
+            busy = [i.name for i in chunk.tensors if i.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD)]
+            raise IllegalTransitionError(
+                f"chunk {chunk.id}: cannot {what} while tensors {busy} are in use (pins {chunk.pins})"
+            )
 
     # -- gradients -------------------------------------------------------------------------------------
     def direct_grad(self, chunk: Chunk) -> bool:

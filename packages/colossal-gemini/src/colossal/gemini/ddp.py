@@ -8,8 +8,21 @@ Hooks drive the tensor states (see :mod:`colossal.gemini.chunk`):
 * pre-backward: the previous backward operator's tensors COMPUTE -> HOLD_AFTER_BWD, fetch, -> COMPUTE;
 * ``Tensor.register_post_accumulate_grad_hook`` on every parameter: the gradient goes into the
   chunk's gradient buffer, -> READY_FOR_REDUCE; a chunk whose tensors are all ready is reduced
-  (reduce-scatter over the data-parallel group, overlapping the rest of backward);
+  (reduce-scatter over the data-parallel group, overlapping the rest of backward); a chunk kept on
+  the device only for that gradient is released (see ``[Note: parent modules]``);
 * a callback at the end of backward reduces chunks holding unused parameters, so they never hang.
+
+[Note: parent modules]
+A module may own parameters *and* call children (a root with a ``cls_token``, ``return
+self.head(x)``). Its pre-backward hook can then fire before a child's backward has run (both
+hooks fire first when the child's output is the parent's output), or the parent's own backward
+ops run after a child's operator has begun. So a tensor whose operator was left but whose
+gradient has not arrived (HOLD_AFTER_BWD) keeps its chunk on the device (``Chunk.in_use``) while
+autograd still holds views of the chunk saved for backward; the post-accumulate-grad hook releases
+it once the gradient is in. A ``saved_tensors_hooks`` pair counts those saved views
+(``Chunk.saved``: a tied weight whose backward op has run, but whose gradient waits for its other
+use, pins nothing) and checks on every unpack that the chunk is gathered, raising instead of
+letting autograd read freed storage.
 
 [Note: operators]
 The unit of tracing and placement is one module's forward or one module's backward ("operator"):
@@ -29,7 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from colossal.gemini import checkpoint, events
-from colossal.gemini.chunk import Chunk, TensorState
+from colossal.gemini.chunk import Chunk, ChunkState, TensorState
 from colossal.gemini.chunk_manager import ChunkManager
 from colossal.gemini.config import GeminiConfig
 from colossal.gemini.order import first_use_order
@@ -80,7 +93,8 @@ class GeminiDDP(nn.Module):
         self.manager.materialise(self.config.param_init_fn)
         self.trace = Trace()
         self.tracker = NonModelTracker(self._is_model_storage)
-        self._model_keys = {c.payload.untyped_storage()._cdata for c in self.manager.chunks}
+        self._storage_chunk = {c.payload.untyped_storage()._cdata: c for c in self.manager.chunks}
+        self._model_keys = set(self._storage_chunk)
         self.policy = WarmupPolicy(self.manager, self._reserve)
         self.warmup = True
         self.belady_bytes: int | None = None
@@ -150,7 +164,25 @@ class GeminiDDP(nn.Module):
         if self.warmup and torch.is_grad_enabled() and not self._tracking:
             self.tracker.__enter__()
             self._tracking = True
-        return self.module(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            return self.module(*args, **kwargs)
+
+    def _pack(self, t: torch.Tensor):
+        chunk = self._storage_chunk.get(t.untyped_storage()._cdata)
+        return t if chunk is None else _Saved(t, chunk)
+
+    @staticmethod
+    def _unpack(packed):
+        if type(packed) is not _Saved:
+            return packed
+        t, chunk = packed.tensor, packed.chunk
+        if chunk.state is not ChunkState.GATHERED:
+            raise RuntimeError(
+                f"GeminiDDP: autograd needs a parameter of chunk {chunk.id} ({[i.name for i in chunk.tensors]}) "
+                "that is not on the device (its storage was released); a parameter is probably used outside "
+                "the forward of the module owning it. See [Note: parent modules] in colossal.gemini.ddp"
+            )
+        return t
 
     _tracking = False
     _record_open = False
@@ -171,6 +203,13 @@ class GeminiDDP(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, module))
         return output
+
+    def _release_idle(self, chunks: list[Chunk]) -> None:
+        """Let the policy release/evict ``chunks`` that the current operator and the prefetch window do not hold."""
+        if chunks:
+            keep = set(self.policy.protected) | {c.id for c in self._current}
+            with self.tracker.suspended():
+                self.policy.after_op([c for c in chunks if c.id not in keep], keep)
 
     # -- operators ------------------------------------------------------------------------------------
     def _reserve(self, i: int) -> int:
@@ -274,6 +313,8 @@ class GeminiDDP(nn.Module):
             chunk.transition(info, TensorState.READY_FOR_REDUCE)
             if chunk.ready_for_reduce:
                 self._reduce(chunk)
+        if not chunk.in_use:  # kept on the device only for this gradient: see [Note: parent modules]
+            self._release_idle([chunk])
 
     def _reduce(self, chunk: Chunk) -> None:
         pending = [c for c in self.manager.chunks if c.pending is not None]
@@ -297,7 +338,7 @@ class GeminiDDP(nn.Module):
                             c.transition(info, TensorState.READY_FOR_REDUCE)
                     self.manager.reduce(c)
                     self.manager.finish_reduce(c)
-            self.policy.after_op(self._current, set())
+            self.policy.after_op(self.manager.chunks, set())  # also chunks a gradient arrived late for
             if self.prefetcher:
                 self.prefetcher.enter(frozenset())
             self.policy.protected = frozenset()
@@ -354,6 +395,19 @@ class GeminiDDP(nn.Module):
     def stats(self) -> GeminiStats | None:
         """Statistics of the last finished step."""
         return self.stats_history[-1] if self.stats_history else None
+
+
+class _Saved:
+    """A parameter view autograd saved for backward; counted in ``Chunk.saved`` while alive."""
+
+    __slots__ = ("tensor", "chunk")
+
+    def __init__(self, tensor: torch.Tensor, chunk: Chunk):
+        self.tensor, self.chunk = tensor, chunk
+        chunk.saved += 1
+
+    def __del__(self):
+        self.chunk.saved -= 1
 
 
 _RUNTIME = frozenset(
