@@ -24,6 +24,14 @@ it once the gradient is in. A ``saved_tensors_hooks`` pair counts those saved vi
 use, pins nothing) and checks on every unpack that the chunk is gathered, raising instead of
 letting autograd read freed storage.
 
+[Note: recomputation]
+Activation checkpointing runs module forwards again inside backward (non-reentrant: when autograd
+unpacks a saved activation; reentrant: inside the checkpoint's backward). Such a forward is not an
+operator: its chunks are fetched and pinned (``Chunk.pins``) for the duration of the forward,
+tensor states are left alone (the current backward operator's tensors stay COMPUTE), and the
+chunks are released on its post-hook or, when the recomputation stops early (no post-hook), at the
+next pre-backward or at the end of backward.
+
 [Note: operators]
 The unit of tracing and placement is one module's forward or one module's backward ("operator"):
 that is the granularity at which chunks are needed. Parameters must be used inside the forward of
@@ -152,6 +160,7 @@ class GeminiDDP(nn.Module):
         self._bwd_infos: list = []
         self._bwd_module: nn.Module | None = None
         self._in_backward = False
+        self._recomputing: list[Chunk] = []
         self._peak = [0, 0, 0]  # model, non-model, total
         self._pinned = 0
 
@@ -190,19 +199,47 @@ class GeminiDDP(nn.Module):
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         name, chunks, pairs = self._module_chunks[module]
+        if self._in_backward:  # activation checkpointing: see [Note: recomputation]
+            self._recompute_fetch(name, chunks)
+            return
         self._begin_op(f"fwd:{name}", chunks)
         for chunk, info in pairs:
             chunk.transition(info, TensorState.COMPUTE)
 
     def _post_forward(self, module: nn.Module, args, output):
-        _, _, pairs = self._module_chunks[module]
-        for chunk, info in pairs:
-            chunk.transition(info, TensorState.HOLD)
+        _, chunks, pairs = self._module_chunks[module]
+        if self._in_backward:
+            self._recompute_done(chunks)
+        else:
+            for chunk, info in pairs:
+                chunk.transition(info, TensorState.HOLD)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, module))
         return output
+
+    def _recompute_fetch(self, name: str, chunks: list[Chunk]) -> None:
+        with self.tracker.suspended(), events.label("placement"):
+            i = self.op_index - 1
+            self.policy.before_op(i, chunks)
+            for c in chunks:
+                c.pins += 1
+            self._recomputing.extend(chunks)
+            self._sample(f"recompute:{name}", i)
+
+    def _recompute_done(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            c.pins -= 1
+            self._recomputing.remove(c)
+        self._release_idle(chunks)
+
+    def _unpin_recompute(self) -> None:
+        """Recomputations that stopped early (no post-hook) leave their pins: drop them."""
+        left, self._recomputing = self._recomputing, []
+        for c in left:
+            c.pins -= 1
+        self._release_idle(left)
 
     def _release_idle(self, chunks: list[Chunk]) -> None:
         """Let the policy release/evict ``chunks`` that the current operator and the prefetch window do not hold."""
@@ -278,6 +315,8 @@ class GeminiDDP(nn.Module):
 
     # -- backward -------------------------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module, grad: torch.Tensor) -> None:
+        if self._recomputing:
+            self._unpin_recompute()
         if module is self._bwd_module:
             return
         if not self._in_backward:
@@ -326,6 +365,7 @@ class GeminiDDP(nn.Module):
             self.manager.finish_reduce(chunk)
 
     def _backward_end(self) -> None:
+        self._unpin_recompute()
         with self.tracker.suspended():
             self._leave_backward_op()
             for c in self.manager.chunks:
@@ -417,6 +457,7 @@ _RUNTIME = frozenset(
         "_bwd_infos",
         "_bwd_module",
         "_in_backward",
+        "_recomputing",
         "_peak",
         "_pinned",
         "_tracking",
