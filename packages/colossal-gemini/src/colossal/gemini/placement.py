@@ -97,6 +97,11 @@ class PlacementPolicy:
         """The chunk to evict before operator ``i`` (None when nothing may go)."""
         raise NotImplementedError
 
+    def fixed_bytes(self, exclude: set[int]) -> int:
+        """Device bytes of working data this policy never evicts, over the chunks outside ``exclude``
+        (a prefetch plan must fit next to them)."""
+        return 0
+
     def _evictable(self, protect: set[int]) -> list[Chunk]:
         return [
             c
@@ -163,6 +168,12 @@ class StaticPolicy(PlacementPolicy):
     def victim(self, protect: set[int], i: int) -> Chunk | None:
         cands = [c for c in self._evictable(protect) if c.id in self.host_homed]
         return min(cands, key=lambda c: self.last_use.get(c.id, -1), default=None)
+
+    def fixed_bytes(self, exclude: set[int]) -> int:
+        """Device-homed chunks stay on the device once fetched: their working shards (whole chunks
+        without sharding) are never evicted."""
+        m = self.m
+        return sum(c.shard_nbytes if m.sharded else c.nbytes for c in m.chunks if c.id not in self.host_homed | exclude)
 
     def after_op(self, used: Sequence[Chunk], coming: set[int]) -> None:
         super().after_op(used, coming)

@@ -13,7 +13,8 @@ whether a chunk is gathered when an operator starts may not depend on one rank's
 
 * ``k(j)`` comes from a plan made once, at the end of warm-up: each rank computes the largest
   ``k(j) <= prefetch`` whose window fits its budget next to the traced non-model and gradient-buffer
-  bytes of operator ``j`` (:func:`plan_depths`), then the ranks take the minimum over the group
+  bytes of operator ``j`` and the bytes the placement policy never evicts (``fixed_bytes``: the
+  device-homed chunks of the static policy) (:func:`plan_depths`), then the ranks take the minimum over the group
   (one all-reduce), after checking they traced the same chunk sequence;
 * window chunks are protected from eviction (evictions stay local decisions: they move shards
   between tiers, never a collective);
@@ -134,7 +135,8 @@ def build_prefetcher(ddp, o_device_bytes: int) -> Prefetcher:
         held = sum(m.chunks[c].nbytes + m.chunks[c].shard_nbytes for c in ids)  # payload + shard on the device
         # a new gradient buffer is made room for on top of the traced ones (make_room in _grad_ready)
         grad = m.chunks[0].nbytes if op.label.startswith("bwd:") else 0
-        return held + o_device_bytes + op.non_model_bytes + op.pinned_bytes + grad <= m.device.budget
+        fixed = ddp.policy.fixed_bytes(set(ids))  # what the policy will not evict to make room (static homes)
+        return held + fixed + o_device_bytes + op.non_model_bytes + op.pinned_bytes + grad <= m.device.budget
 
     depths = agree_on_depths(m, ops, plan_depths(ops, ddp.config.prefetch, fits))
     return Prefetcher(m, ops, depths)
