@@ -114,23 +114,38 @@ def optimizer_state_dict(optim) -> dict:
             for info in chunk.tensors:
                 state.setdefault(info.name, {})[k] = full[info.offset : info.offset + info.numel].view(info.param.shape)
     scalars = _scalars(optim)
+    fallback = next(iter(scalars.values()), {})  # element-wise rules: every parameter's scalars are equal
     for name in state:
-        state[name].update(scalars)
+        state[name].update(scalars.get(name, fallback))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.optim.param_groups]
     del ddp
     return {"state": state, "param_groups": groups, "loss_scaler": optim.scaler.state_dict()}
 
 
-def _scalars(optim) -> dict:
-    for slices in optim.slices.values():
-        for fake, *_ in slices:
-            st = optim.optim.state.get(fake, {})
-            return {
-                k: v.clone() if isinstance(v, torch.Tensor) else v
-                for k, v in st.items()
-                if not (isinstance(v, torch.Tensor) and v.dim() > 0)
+def _is_scalar(v) -> bool:
+    return not (isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _scalars(optim) -> dict[str, dict]:
+    """Scalar states per parameter name (LARS's ``scale`` differs per parameter), from this rank's
+    slices and, for layer-wise rules, its empty slices of the parameters other ranks hold."""
+    out: dict[str, dict] = {}
+    fakes = [(fake, name) for slices in optim.slices.values() for fake, _, _, name in slices] + optim.empty
+    for fake, name in fakes:
+        st = optim.optim.state.get(fake)
+        if st and name not in out:
+            out[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items() if _is_scalar(v)}
+    return out
+
+
+def _fill_empty(optim, entries: dict[str, dict]) -> None:
+    """Load the states of the empty slices (layer-wise rules): the scalars, and empty tensor states."""
+    for fake, name in optim.empty:
+        if name in entries:
+            optim.optim.state[fake] = {
+                k: (v.clone() if isinstance(v, torch.Tensor) else v) if _is_scalar(v) else fake.detach().new_zeros(0)
+                for k, v in entries[name].items()
             }
-    return {}
 
 
 def load_optimizer_state_dict(optim, sd: dict) -> None:
@@ -153,6 +168,7 @@ def load_optimizer_state_dict(optim, sd: dict) -> None:
                 else:
                     st[k] = v.clone() if isinstance(v, torch.Tensor) else v
             optim.optim.state[fake] = st
+    _fill_empty(optim, sd["state"])
     optim.scaler.load_state_dict(sd["loss_scaler"])
 
 
@@ -189,11 +205,18 @@ def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
         for k, t in optimizer.optim.state.get(fakes.get((chunk.id, lo)), {}).items() if optimizer else ():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 sd[f"optim/{info.name}/{k}@{start}"] = t.detach()
-            else:
-                sd[f"optim/{info.name}/{k}"] = t.detach() if isinstance(t, torch.Tensor) else torch.tensor(t)
+            else:  # a Python float (LARS's scale) keeps its precision
+                sd[f"optim/{info.name}/{k}"] = _scalar_tensor(t)
     for n, b in model.module.named_buffers():
         sd[f"model/{n}@0"] = b.detach().reshape(-1)
     return sd
+
+
+def _scalar_tensor(v) -> torch.Tensor:
+    """A scalar state as a tensor; a Python float (LARS's ``scale``) keeps its double precision."""
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    return torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else None)
 
 
 def _dcp_kwargs(manager) -> dict:
@@ -249,6 +272,8 @@ def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
     wanted, targets = set(), []
     states = _by_name(pieces) if optimizer is not None else {}
     scalars = _by_name(k for k in metadata if "@" not in k) if optimizer is not None else {}
+    for _, name in optimizer.empty if optimizer is not None else ():
+        wanted.update(scalars.get(name, ()))
     for chunk, info, start, (lo, hi) in _my_slices(m):
         stop = start + hi - lo
         wanted.update(scalars.get(info.name, ()))
@@ -275,10 +300,22 @@ def load_sharded_state_dict(model, optimizer, metadata, load) -> None:
     with torch.no_grad():
         for n, b in buffers.items():
             b.view(-1).copy_(torch.cat([loaded[k] for _, _, k in sorted(pieces[f"model/{n}"])]))
+    if optimizer is not None:
+        _load_scalars(optimizer, loaded, _by_name(pieces))
+
+
+def _load_scalars(optimizer, loaded: dict, states: dict[str, list[str]]) -> None:
+    """Scalar states per parameter name into every slice of it (empty ones too, with empty tensor states)."""
     scalars = _by_name(k for k in loaded if "@" not in k)
-    for fake, _, _, name in (s for slices in optimizer.slices.values() for s in slices) if optimizer else ():
+    for fake, _, _, name in (s for slices in optimizer.slices.values() for s in slices):
         state = optimizer.optim.state.setdefault(fake, {})
         state.update({k.rsplit("/", 1)[1]: loaded[k].clone() for k in scalars.get(name, ())})
+    entries = {
+        name: {k.rsplit("/", 1)[1]: loaded[k] for k in scalars.get(name, ())}
+        | {p.rsplit("/", 1)[1]: torch.zeros(1) for p in states.get(name, ())}
+        for _, name in optimizer.empty
+    }
+    _fill_empty(optimizer, entries)
 
 
 def load_sharded(path: str, model, optimizer=None) -> None:

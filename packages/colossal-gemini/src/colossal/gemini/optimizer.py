@@ -10,8 +10,10 @@ Element-wise rules (SGD, Adam/AdamW, HybridAdam, CPUAdam) give the same update o
 the whole tensor. Layer-wise rules (LAMB, LARS: an optimizer with a ``norm_reducer`` attribute,
 ``colossal.optim``'s contract) need whole-parameter norms: they get one slice per parameter on
 every rank, an empty one where the rank holds none of it (so every rank's norm vector has the
-same length and order), and, when chunks are sharded, a ``norm_reducer`` that sums the
-per-parameter squared norms over the data-parallel group. Rules that need a parameter's shape
+same length and order; it gets an empty gradient, so the rule keeps that parameter's scalar
+states, e.g. LARS's ``scale``, on every rank, which checkpoints save per parameter), and, when
+chunks are sharded, a ``norm_reducer`` that sums the per-parameter squared norms over the
+data-parallel group. Rules that need a parameter's shape
 (Adafactor) are not supported.
 """
 
@@ -70,6 +72,7 @@ class GeminiOptimizer:
         self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
         self.check_overflow = check_overflow  # also skip non-finite steps with a constant loss scale
         self.slices: dict[int, list[tuple[nn.Parameter, int, int, str]]] = {}  # chunk -> (fake, lo, hi, name)
+        self.empty: list[tuple[nn.Parameter, str]] = []  # layer-wise: (empty fake, name) of parameters held elsewhere
         self._replace_params()
         self.skipped_steps = 0
 
@@ -89,6 +92,7 @@ class GeminiOptimizer:
                 if lo >= hi:  # no element of this parameter on this rank
                     if layerwise:
                         fakes.append(nn.Parameter(chunk.master[:0]))
+                        self.empty.append((fakes[-1], info.name))
                     continue
                 fake = nn.Parameter(chunk.master[lo:hi])
                 self.slices.setdefault(chunk.id, []).append((fake, lo, hi, info.name))
@@ -153,7 +157,11 @@ class GeminiOptimizer:
         for chunk in self.manager.chunks:
             for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
                 fake.grad = chunk.grad_shard[lo:hi]
+        for fake, _ in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
+            fake.grad = fake.data.new_zeros(0)
         self.optim.step()
+        for fake, _ in self.empty:
+            fake.grad = None
         for chunk in self.manager.chunks:
             for fake, *_ in self.slices.get(chunk.id, ()):
                 fake.grad = None
