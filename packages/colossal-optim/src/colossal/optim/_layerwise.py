@@ -89,12 +89,19 @@ class Flat:
     def __init__(self, space: FlatSpace) -> None:
         self.space, self.seg = space, Segments(space)
         self._scratch: Tensor | None = None
+        self._ones: Tensor | None = None
 
     def scratch(self) -> Tensor:
         """A persistent buffer shaped like the space (a fresh one every step would page-fault)."""
         if self._scratch is None:
             self._scratch = torch.zeros_like(self.space.param_flat)
         return self._scratch
+
+    def ones(self) -> Tensor:
+        """A ``(rows, 1)`` column of ones of the space's master dtype (``[Note: compiled LAMB]``)."""
+        if self._ones is None:
+            self._ones = torch.ones(self.seg.total_rows, 1, dtype=self.space.exp_avg.dtype)
+        return self._ones
 
     def ready(self, positions: dict[int, int]) -> Tensor | None:
         """Positions of the space's params among the step's params, or None unless all have a gradient."""

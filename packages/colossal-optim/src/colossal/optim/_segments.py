@@ -40,16 +40,23 @@ class Segments:
         self.row_owner = torch.repeat_interleave(torch.arange(self.count), torch.tensor(rows))  # (rows,)
         self.total_rows = int(self.row_owner.numel())
 
-    def _rows(self, flat: Tensor) -> Tensor:
+    def rows(self, flat: Tensor) -> Tensor:
+        """``flat`` seen as the ``(rows, ROW)`` matrix whose rows each belong to one parameter."""
         return flat[: self.total_rows * ROW].view(self.total_rows, ROW)
+
+    def per_param(self, row_sums: Tensor) -> Tensor:
+        """Sum per-row values into their parameters, float64, shape ``(count,)``."""
+        return torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.row_owner, row_sums.double())
+
+    def column(self, scales: Tensor, dtype: torch.dtype) -> Tensor:
+        """Per-parameter ``scales`` as a ``(rows, 1)`` column of ``dtype`` (for broadcasting)."""
+        return scales.to(dtype)[self.row_owner].unsqueeze(1)
 
     def sq_norms(self, flat: Tensor) -> Tensor:
         """Squared L2 norm of each parameter's elements of ``flat``, float64, shape ``(count,)``."""
         widen = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else None
-        row_sq = torch.linalg.vector_norm(self._rows(flat), dim=1, dtype=widen).double().square()
-        return torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.row_owner, row_sq)
+        return self.per_param(torch.linalg.vector_norm(self.rows(flat), dim=1, dtype=widen).double().square())
 
     def add_scaled_(self, dst: Tensor, src: Tensor, scales: Tensor) -> None:
         """``dst += scales[i] * src`` on each parameter ``i``'s elements, in one kernel call."""
-        column = scales.to(dst.dtype)[self.row_owner].unsqueeze(1)  # (rows, 1)
-        self._rows(dst).addcmul_(self._rows(src), column)
+        self.rows(dst).addcmul_(self.rows(src), self.column(scales, dst.dtype))

@@ -17,6 +17,8 @@ Without bias correction the kernel is handed a huge step count, for which ``1 - 
 flat buffers (``[Note: flat LAMB/LARS]``) each of these four passes is one kernel call for the
 whole group: ``u = wd * w`` (8 bytes per fp32 element), the fused Adam pass (28), the two
 row-wise norms (8), the broadcast ``addcmul_`` (12): 56 bytes per element against Adam's 28.
+With ``fused="compile"`` the flat spaces take two ``torch.compile``'d passes instead
+(``[Note: compiled LAMB]``, 40 bytes per element); the per-tensor path is the same either way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from . import _lamb_compiled as compiled
 from ._flat import ADAM_MOMENTS
 from ._layerwise import (
     Flat,
@@ -43,6 +46,7 @@ from ._layerwise import (
 __all__ = ["Lamb"]
 
 _NO_BIAS_CORRECTION_STEP = float(2**30)  # b ** 2**30 underflows to 0 for any b < 1 - 1e-8
+FUSED = ("torch", "compile")
 
 
 class Lamb(LayerwiseOptimizer):
@@ -66,6 +70,12 @@ class Lamb(LayerwiseOptimizer):
         flatten: move float32/float64 CPU parameters into flat buffers (``[Note: flat
             LAMB/LARS]``); False keeps every tensor where it is (needed when the parameters are
             views of someone else's storage, e.g. ZeRO/Gemini shards).
+        fused: ``"torch"`` (torch's fused Adam kernel plus three passes, 56 bytes per fp32
+            element) or ``"compile"``: the flat spaces run two ``torch.compile``'d passes (40
+            bytes per element, ``[Note: compiled LAMB]``; each flat-space size compiles once, a
+            few seconds, at its first step). Needs Inductor's C++ compiler; if compilation
+            fails the first step raises ``RuntimeError`` suggesting ``fused="torch"``. The
+            state_dicts of both are the same.
     """
 
     def __init__(
@@ -81,8 +91,12 @@ class Lamb(LayerwiseOptimizer):
         trust_ratio: bool = True,
         norm_reducer: NormReducer | None = None,
         flatten: bool = True,
+        fused: str = "torch",
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if fused not in FUSED:
+            raise ValueError(f"fused must be one of {FUSED}, got {fused!r}")
+        self.fused = fused
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             adam=adam, trust_ratio=trust_ratio,
@@ -116,11 +130,10 @@ class Lamb(LayerwiseOptimizer):
         positions, flat_plans, done = {id(p): i for i, p in enumerate(params)}, [], set()
         for flat in self._flat_spaces(group, ADAM_MOMENTS, step=True) if group["eps"] > 0 else []:
             idx = flat.ready(positions)
-            if idx is None or (u := self._flat_moments(group, flat)) is None:
+            if idx is None or (moments := self._flat_moments(group, flat)) is None:
                 continue
-            w_sq[idx.to(device)] = flat.seg.sq_norms(flat.space.param_flat).to(device, dtype)
-            u_sq[idx.to(device)] = flat.seg.sq_norms(u).to(device, dtype)
-            flat_plans.append((flat, idx, u))
+            w_sq[idx.to(device)], u_sq[idx.to(device)] = (sq.to(device, dtype) for sq in moments[1])
+            flat_plans.append((flat, idx, moments[0]))
             done.update(id(p) for p in flat.space.params)
         rest = [i for i, p in enumerate(params) if id(p) not in done]
         us = self._tensor_moments(group, [params[i] for i in rest])
@@ -143,18 +156,24 @@ class Lamb(LayerwiseOptimizer):
             eps=group["eps"], amsgrad=False, maximize=False,
         )  # fmt: skip
 
-    def _flat_moments(self, group: dict[str, Any], flat: Flat) -> Tensor | None:
-        """Moments and ``u`` of a whole flat space in one pass each; None if the step counts differ."""
-        space = flat.space
+    def _flat_moments(self, group: dict[str, Any], flat: Flat) -> tuple[Tensor, tuple] | None:
+        """Moments of a whole flat space, then ``u`` (``fused="torch"``) or the step scalars of
+        ``[Note: compiled LAMB]``, and ``(||w||^2, ||u||^2)`` per parameter; None if the step
+        counts differ."""
+        space, seg = flat.space, flat.seg
         steps = [self.state[p]["step"] for p in space.params]
         if len(steps) > 1 and not bool((torch.stack(steps) == steps[0]).all()):
             return None  # some parameters skipped steps: the per-tensor path handles them
         step = self._steps(group, steps, torch.device("cpu"))[:1]
         space.gather_grads()
+        if self.fused == "compile":
+            s = compiled.step_scalars(group, float(step[0]), space.exp_avg.dtype)
+            rows = [seg.rows(t) for t in (space.grad_flat, space.exp_avg, space.exp_avg_sq, space.param_flat)]
+            return s, tuple(map(seg.per_param, compiled.moments_and_row_norms(*rows, s, flat.ones())))
         u = flat.scratch()
         torch.mul(space.param_flat, group["weight_decay"], out=u) if group["weight_decay"] else u.zero_()
         self._adam(group, [u], [space.grad_flat], [space.exp_avg], [space.exp_avg_sq], step)
-        return u
+        return u, (seg.sq_norms(space.param_flat), seg.sq_norms(u))
 
     def _tensor_moments(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor | None]:
         """The per-tensor path: ``u`` per parameter (None without a gradient)."""
@@ -182,7 +201,13 @@ class Lamb(LayerwiseOptimizer):
         else:
             scales = torch.full_like(w_sq, -float(group["lr"]))
         for flat, idx, u in flat_plans:
-            flat.seg.add_scaled_(flat.space.param_flat, u, scales.cpu()[idx])
+            space, seg = flat.space, flat.seg
+            if self.fused == "compile":  # u holds the step scalars
+                column = seg.column(scales.cpu()[idx], space.param_flat.dtype)
+                rows = [seg.rows(t) for t in (space.exp_avg, space.exp_avg_sq, space.param_flat)]
+                compiled.apply_scaled(*rows, u, column)
+            else:
+                seg.add_scaled_(space.param_flat, u, scales.cpu()[idx])
         for i, u, scale in zip(rest, us, scales[rest].tolist() if rest else []):
             if u is not None:
                 params[i].add_(u, alpha=scale)
