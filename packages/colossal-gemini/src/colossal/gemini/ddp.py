@@ -32,6 +32,16 @@ tensor states are left alone (the current backward operator's tensors stay COMPU
 chunks are released on its post-hook or, when the recomputation stops early (no post-hook), at the
 next pre-backward or at the end of backward.
 
+[Note: departures from the trace]
+After warm-up the room kept for non-model data at operator ``i`` is what the trace measured at
+operator ``i``. An iteration that departs from the trace (a module skipped, one more micro-batch)
+shifts the indices: operator ``i`` may be a backward op whose traced counterpart is the peak
+forward op, and the budget check fails although the memory would fit. So an operator that is not
+the traced operator ``i`` reserves the bytes of the traced operator with the same label and chunks
+(the largest, when it ran several times), and the traced peak when there is none; past the end of
+the trace the peak is used as before. The traced gradient-buffer bytes of an operator are reserved
+less the live buffers and less the buffer being made room for (it is one of the traced ones).
+
 [Note: operators]
 The unit of tracing and placement is one module's forward or one module's backward ("operator"):
 that is the granularity at which chunks are needed. Parameters must be used inside the forward of
@@ -161,6 +171,7 @@ class GeminiDDP(nn.Module):
         self._bwd_module: nn.Module | None = None
         self._in_backward = False
         self._recomputing: list[Chunk] = []
+        self._aligned = (-2, -2)  # (operator index, traced operator standing for it)
         self._peak = [0, 0, 0]  # model, non-model, total
         self._pinned = 0
 
@@ -194,6 +205,7 @@ class GeminiDDP(nn.Module):
         return t
 
     _tracking = False
+    _new_grad = 0  # bytes of the gradient buffer being made room for (counted once: see _reserve)
     _record_open = False
     _op_model = 0
 
@@ -250,19 +262,32 @@ class GeminiDDP(nn.Module):
 
     # -- operators ------------------------------------------------------------------------------------
     def _reserve(self, i: int) -> int:
-        """Non-model bytes to keep free at operator ``i``."""
+        """Non-model bytes to keep free at operator ``i`` (see ``[Note: departures from the trace]``)."""
         if self.warmup:
             return self.tracker.current()
+        if i == self._aligned[0]:
+            i = self._aligned[1]
         ops = self.trace.ops
         op = ops[i] if 0 <= i < len(ops) else None
         if op is None:
             return self.trace.peak_non_model_bytes
-        return op.non_model_bytes + max(0, op.pinned_bytes - self.manager.grad_buffer_bytes)
+        # traced gradient buffers not live yet (the one being made room for is among the traced ones)
+        return op.non_model_bytes + max(0, op.pinned_bytes - self.manager.grad_buffer_bytes - self._new_grad)
+
+    def _align(self, i: int, label: str, chunks: list[Chunk]) -> int:
+        """The traced operator whose non-model bytes stand for operator ``i`` of this iteration."""
+        ops, ids = self.trace.ops, tuple(c.id for c in chunks)
+        if i >= len(ops) or (ops[i].label == label and ops[i].chunk_ids == ids):
+            return i
+        same = [j for j, op in enumerate(ops) if op.label == label and op.chunk_ids == ids]
+        return max(same, key=lambda j: ops[j].non_model_bytes) if same else len(ops)  # unknown: the peak
 
     def _begin_op(self, label: str, chunks: list[Chunk]) -> None:
         with self.tracker.suspended(), events.label("placement"):
             training = torch.is_grad_enabled() or self._in_backward
             i = self.op_index if training else -1
+            if training and not self.warmup:
+                self._aligned = (i, self._align(i, label, chunks))
             if self.warmup and training:
                 self._close_record()
                 self.trace.ops.append(OpRecord(label=label, chunk_ids=tuple(c.id for c in chunks)))
@@ -343,7 +368,11 @@ class GeminiDDP(nn.Module):
         with self.tracker.suspended():
             new_buffer = chunk.grad_buffer is None and not self.manager.direct_grad(chunk)
             if new_buffer:
-                self.policy.make_room(chunk.nbytes, {c.id for c in self._current}, self.op_index - 1)
+                self._new_grad = chunk.nbytes
+                try:
+                    self.policy.make_room(chunk.nbytes, {c.id for c in self._current}, self.op_index - 1)
+                finally:
+                    self._new_grad = 0
             self.manager.add_grad(chunk, info, param.grad)
             if new_buffer:
                 self._pinned = max(self._pinned, self.manager.grad_buffer_bytes)
@@ -458,6 +487,8 @@ _RUNTIME = frozenset(
         "_bwd_module",
         "_in_backward",
         "_recomputing",
+        "_aligned",
+        "_new_grad",
         "_peak",
         "_pinned",
         "_tracking",
