@@ -71,3 +71,19 @@ def test_state_dict_round_trip_between_paths(first, second):
 def test_fused_value_is_checked():
     with pytest.raises(ValueError, match=r"fused must be one of \('torch', 'compile'\), got 'triton'"):
         Lamb([torch.nn.Parameter(torch.ones(2))], fused="triton")
+
+
+def test_compile_failure_names_the_fallback(monkeypatch):
+    from colossal.optim import _lamb_compiled
+
+    def broken(name):
+        def fail(*args):
+            raise OSError("no C++ compiler")
+
+        return fail
+
+    monkeypatch.setattr(_lamb_compiled, "_compiled", broken)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"failed \(OSError: no C\+\+ compiler\).*fused='torch'"):
+        Lamb([p], fused="compile").step()
