@@ -84,13 +84,17 @@ def test_checkpointed_blocks_match_torch_on_one_rank(reentrant, budget):
         assert stats[-1].bytes_moved > 0  # chunks really were evicted and fetched
 
 
-def _rank(batches, init, prefetch):
-    return _gemini(batches, init, False, device_memory_budget=300_000, prefetch=prefetch)[0]
+def _rank(batches, init, budget, prefetch):
+    return _gemini(batches, init, False, device_memory_budget=budget, prefetch=prefetch)[0]
 
 
+# (batch, seq, budget): the second needs the recomputations' chunks in the placement and prefetch
+# plan (OpRecord.recompute_chunk_ids): without them prefetching ran out of budget mid-training
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_non_reentrant_checkpointing_matches_torch_on_two_ranks_under_budget(prefetch):
-    batches = make_batches(3, batch=2, seq=8)
+@pytest.mark.parametrize("shape", [(2, 8, 300_000), (4, 16, 600_000)], ids=["b2s8", "b4s16"])
+def test_non_reentrant_checkpointing_matches_torch_on_two_ranks_under_budget(shape, prefetch):
+    batch, seq, budget = shape
+    batches = make_batches(3, batch=batch, seq=seq)
     init, ref = _reference(batches, False)
-    for got in run_distributed(_rank, 2, batches, init, prefetch, timeout=120):
+    for got in run_distributed(_rank, 2, batches, init, budget, prefetch, timeout=120):
         _check(got, ref, skip_key_bias=True)

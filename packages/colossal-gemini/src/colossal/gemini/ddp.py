@@ -30,7 +30,9 @@ unpacks a saved activation; reentrant: inside the checkpoint's backward). Such a
 operator: its chunks are fetched and pinned (``Chunk.pins``) for the duration of the forward,
 tensor states are left alone (the current backward operator's tensors stay COMPUTE), and the
 chunks are released on its post-hook or, when the recomputation stops early (no post-hook), at the
-next pre-backward or at the end of backward.
+next pre-backward or at the end of backward. Warm-up records them in the enclosing operator's
+``OpRecord.recompute_chunk_ids``, so the optimizer-block margin, the static check and the prefetch
+plan leave room for their gathered payloads.
 
 [Note: departures from the trace]
 After warm-up the room kept for non-model data at operator ``i`` is what the trace measured at
@@ -235,6 +237,9 @@ class GeminiDDP(nn.Module):
         with self.tracker.suspended(), events.label("placement"):
             i = self.op_index - 1
             self.policy.before_op(i, chunks)
+            if self.warmup and self._record_open:  # the placement must leave room for them
+                op = self.trace.ops[-1]
+                op.recompute_chunk_ids = tuple(dict.fromkeys(op.recompute_chunk_ids + tuple(c.id for c in chunks)))
             for c in chunks:
                 c.pins += 1
             self._recomputing.extend(chunks)

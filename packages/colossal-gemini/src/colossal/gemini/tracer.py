@@ -37,6 +37,9 @@ class OpRecord:
     """Peak live non-model bytes between this operator's start and the next one's."""
     pinned_bytes: int = 0
     """Peak device bytes of gradient buffers during the operator (model data not placed by the policy)."""
+    recompute_chunk_ids: tuple[int, ...] = ()
+    """Chunks fetched during the operator for forwards recomputed inside backward (activation
+    checkpointing); they are gathered next to the operator's own chunks."""
     cuda_non_model_bytes: int | None = None
     """On CUDA: ``memory_allocated()`` minus accounted model data at the operator's start (cross-check)."""
 

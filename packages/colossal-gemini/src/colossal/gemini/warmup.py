@@ -25,8 +25,9 @@ def _unit(manager, chunk) -> int:
 
 
 def _payload(manager, op) -> int:
-    """Transient gathered payloads of a sharded operator."""
-    return sum(manager.chunks[c].nbytes for c in op.chunk_ids) if manager.sharded else 0
+    """Transient gathered payloads of a sharded operator (its own chunks and those its recomputations gather)."""
+    ids = set(op.chunk_ids) | set(op.recompute_chunk_ids)
+    return sum(manager.chunks[c].nbytes for c in ids) if manager.sharded else 0
 
 
 def _auto_optim_on_device(ddp, block_bytes: dict[int, int]) -> set[int]:
@@ -45,7 +46,8 @@ def _static_check(ddp, policy: StaticPolicy, o_device_bytes: int) -> None:
     m, budget = ddp.manager, ddp.manager.device.budget
     homed = sum(_unit(m, c) for c in m.chunks if c.id not in policy.host_homed)
     for i, op in enumerate(ddp.trace.ops):
-        visiting = sum(_unit(m, m.chunks[c]) for c in op.chunk_ids if c in policy.host_homed)
+        ids = set(op.chunk_ids) | set(op.recompute_chunk_ids)
+        visiting = sum(_unit(m, m.chunks[c]) for c in ids if c in policy.host_homed)
         need = op.non_model_bytes + op.pinned_bytes + o_device_bytes + homed + visiting + _payload(m, op)
         if need > budget:
             raise BudgetExceededError(
