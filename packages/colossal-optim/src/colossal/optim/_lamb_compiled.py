@@ -15,9 +15,12 @@ row-aligned flat buffers seen as ``(rows, ROW)`` matrices:
 column of ones: without it Inductor flattens the pointwise moment stores to one dimension and
 emits them as a second loop after the row reduction (reading g, m, v again); with it the stores
 and the reduction share one loop nest. The step-dependent scalars travel in one small tensor, so
-a new step or learning rate never recompiles; every distinct flat-space size compiles once
-(``dynamic=False``, a few seconds each, cached on disk by Inductor; past
-``torch._dynamo.config.recompile_limit`` sizes torch runs the passes eagerly, still correct).
+a new step or learning rate never recompiles. The first flat-space size compiles a kernel for
+that size (a few seconds, cached on disk by Inductor); the second one recompiles with the row
+count symbolic (torch's automatic dynamic shapes), which then serves every size. A change of
+``torch.get_num_threads()`` or of the dtype recompiles too. No ``fullgraph=True``: past
+``torch._dynamo.config.recompile_limit`` compilations that would be a hard error, without it
+torch runs the passes eagerly (slow but still correct).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _pass2(m: Tensor, v: Tensor, w: Tensor, s: Tensor, column: Tensor) -> None:
 @functools.cache
 def _compiled(name: str) -> Callable:
     fn = {"pass1": _pass1, "pass2": _pass2}[name]
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    return torch.compile(fn)
 
 
 def _run(name: str, *args: Tensor):

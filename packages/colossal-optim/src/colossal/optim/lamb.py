@@ -72,8 +72,8 @@ class Lamb(LayerwiseOptimizer):
             views of someone else's storage, e.g. ZeRO/Gemini shards).
         fused: ``"torch"`` (torch's fused Adam kernel plus three passes, 56 bytes per fp32
             element) or ``"compile"``: the flat spaces run two ``torch.compile``'d passes (40
-            bytes per element, ``[Note: compiled LAMB]``; each flat-space size compiles once, a
-            few seconds, at its first step). Needs Inductor's C++ compiler; if compilation
+            bytes per element, ``[Note: compiled LAMB]``; compiled at the first step, a few
+            seconds). Needs Inductor's C++ compiler; if compilation
             fails the first step raises ``RuntimeError`` suggesting ``fused="torch"``. The
             state_dicts of both are the same.
     """
