@@ -46,6 +46,11 @@ def _reductions(n, r, shape, dtype, async_op):
     big = [_input(s, (n * 3, *shape), dtype, 1) for s in range(n)]
     rs_ref = torch.stack([b.double() for b in big]).sum(0).chunk(n, 0)[r]
     _close(_wait(cc.reduce_scatter(big[r], async_op=async_op)), rs_ref, "reduce_scatter")
+    # gloo's in-place all-reduce path ([Note: gloo fast paths]): same result, input given up
+    scratch = big[r].clone()
+    _close(_wait(cc.reduce_scatter(scratch, async_op=async_op, destroy_input=True)), rs_ref, "rs destroy_input")
+    mx = cc.reduce_scatter(big[r].clone(), op="max", destroy_input=True)
+    _close(mx, torch.stack([b.double() for b in big]).max(0).values.chunk(n, 0)[r], "rs max destroy_input")
     if len(shape) > 1:
         big = [_input(s, (*shape[:-1], n * 2), dtype, 2) for s in range(n)]
         ref1 = torch.stack([b.double() for b in big]).sum(0).chunk(n, -1)[r]

@@ -187,6 +187,22 @@ def _check_out(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, .
     return out
 
 
+# [Note: gloo fast paths]
+# On CPU tensors gloo's flat all-gather and reduce-scatter are slower than what they can be built
+# from. Measured on the 2-core development machine (2 ranks, 46M fp32 elements; 4 ranks, 16M):
+# all_gather_into_tensor 0.18 / 0.10 s against one broadcast per rank 0.08 / 0.05 s, and
+# reduce_scatter_tensor 0.22 / 0.15 s against an in-place all_reduce plus a slice copy 0.16 /
+# 0.10 s. So for gloo, ``all_gather`` issues one broadcast per rank into the output's slices, and
+# ``reduce_scatter(..., destroy_input=True)`` (the caller gives up the input) all-reduces the input
+# in place and copies out this rank's slice. Comm events still report the logical collective and
+# its message size, so volume accounting is unchanged.
+
+
+def _is_gloo(group: ProcessGroup | None, tensor: torch.Tensor) -> bool:
+    """This group runs collectives on ``tensor`` with gloo (a CPU tensor on a gloo-capable group)."""
+    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group)).lower()
+
+
 def _gather_stacked(
     tensor: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, Callable]:
@@ -194,7 +210,15 @@ def _gather_stacked(
     n = dist.get_world_size(group)
     src = tensor.contiguous().view(-1) if tensor.dim() == 0 else tensor.contiguous()
     flat = _check_out(out, src, (n * src.shape[0], *src.shape[1:]), "all_gather")
-    return flat.view(n, *tensor.shape), lambda: _all_gather_flat(flat, src, group=group, async_op=True)
+    if not _is_gloo(group, src):
+        return flat.view(n, *tensor.shape), lambda: _all_gather_flat(flat, src, group=group, async_op=True)
+    rows = flat.view(n, -1)  # (n, numel) one contiguous row per rank
+
+    def issue() -> list:  # see [Note: gloo fast paths]
+        rows[dist.get_rank(group)].copy_(src.view(-1))
+        return [dist.broadcast(rows[i], _global(group, i, "src"), group=group, async_op=True) for i in range(n)]
+
+    return flat.view(n, *tensor.shape), issue
 
 
 def all_gather(
@@ -258,11 +282,14 @@ def reduce_scatter(
     async_op: bool = False,
     tag: str = "",
     out: torch.Tensor | None = None,
+    destroy_input: bool = False,
 ) -> Any:
     """Reduce ``tensor`` across the group and keep this rank's ``1/n`` slice along ``dim``.
 
     Returns a new tensor, or ``out`` when given (``dim=0`` only: a contiguous tensor of shape
-    ``(tensor.shape[0] // n, *tensor.shape[1:])``).
+    ``(tensor.shape[0] // n, *tensor.shape[1:])``). ``destroy_input=True`` says the caller no
+    longer needs ``tensor``'s contents, which lets gloo run a faster in-place all-reduce (see
+    ``[Note: gloo fast paths]``); ``tensor`` is undefined afterwards.
     """
     _check_tensor("tensor", tensor)
     dim = _check_dim(tensor, dim)
@@ -273,16 +300,13 @@ def reduce_scatter(
     rop = _reduce_op(op)
     src = tensor.movedim(dim, 0).contiguous()
     out = _check_out(out, src, (src.shape[0] // n, *src.shape[1:]), "reduce_scatter")
-    return _issue(
-        "reduce_scatter",
-        group,
-        tensor,
-        _nbytes(tensor),
-        async_op,
-        tag,
-        lambda: _reduce_scatter_flat(out, src, op=rop, group=group, async_op=True),
-        lambda: out if dim == 0 else out.movedim(0, dim),
-    )
+    issue = lambda: _reduce_scatter_flat(out, src, op=rop, group=group, async_op=True)  # noqa: E731
+    finish = lambda: out if dim == 0 else out.movedim(0, dim)  # noqa: E731
+    if destroy_input and rop != dist.ReduceOp.AVG and _is_gloo(group, src):  # [Note: gloo fast paths]
+        mine = src.narrow(0, dist.get_rank(group) * out.shape[0], out.shape[0])
+        issue = lambda: dist.all_reduce(src, op=rop, group=group, async_op=True)  # noqa: E731
+        finish = lambda: out.copy_(mine) if dim == 0 else out.copy_(mine).movedim(0, dim)  # noqa: E731
+    return _issue("reduce_scatter", group, tensor, _nbytes(tensor), async_op, tag, issue, finish)
 
 
 def all_to_all(

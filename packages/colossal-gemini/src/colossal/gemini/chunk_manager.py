@@ -274,8 +274,8 @@ class ChunkManager:
             self._alloc_grad_buffer(chunk)
         with events.label("reduce"):
             if self.sharded:
-                chunk.pending = comm.reduce_scatter(
-                    chunk.grad_buffer, "sum", self.group, async_op=True, tag="gemini.reduce_scatter"
+                chunk.pending = comm.reduce_scatter(  # the buffer is dropped after: gloo may reduce in place
+                    chunk.grad_buffer, "sum", self.group, async_op=True, tag="gemini.reduce_scatter", destroy_input=True
                 )
             elif self.replicated:
                 chunk.pending = comm.all_reduce(

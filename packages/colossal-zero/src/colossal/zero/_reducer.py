@@ -137,7 +137,9 @@ class GradReducer:
         if flat.full_grad is None:  # no parameter of this buffer got a gradient
             flat.full_grad = torch.zeros(flat.padded_numel, dtype=flat.grad_dtype, device=flat.grad_device)
         with torch.profiler.record_function("colossal.zero::reduce_scatter"):
-            handle = reduce_scatter(flat.full_grad, "sum", self.group, async_op=True, tag="zero.reduce_scatter_grad")
+            handle = reduce_scatter(
+                flat.full_grad, "sum", self.group, async_op=True, tag="zero.reduce_scatter_grad", destroy_input=True
+            )
         self._inflight.append((flat, handle))
         while len(self._inflight) > self.max_inflight:
             self._finish(*self._inflight.popleft())
