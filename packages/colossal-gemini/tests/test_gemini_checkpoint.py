@@ -11,7 +11,7 @@ import torch.distributed as dist
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, loss_fn, make_batches, train_reference  # noqa: E402
+from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches, train_reference  # noqa: E402
 
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 from colossal.gemini.checkpoint import load_sharded, save_sharded  # noqa: E402
@@ -47,7 +47,7 @@ def test_full_state_dict_loads_into_plain_torch():
     plain = GPT(GPTConfig())
     plain.load_state_dict(gem.state_dict())  # strict: every key and shape of the plain module
     for k, v in plain.state_dict().items():
-        torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6)
+        assert_tensor_close(v, ref_state[k])
 
 
 def _check_flat_slice_keys(path: str) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, loss_fn, make_batches  # noqa: E402
+from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches  # noqa: E402
 
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 from colossal.gemini.checkpoint import (  # noqa: E402
@@ -94,4 +94,4 @@ def test_layerwise_optimizer_resumes_exactly(kind, form, worlds, tmp_path):
     for got in _run(_resume, worlds[1], kind, init, batches, full if form == "full" else None, path):
         for k, v in ref.items():
             if worlds[0] == worlds[1] or not k.endswith("k_proj.bias"):
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+                assert_tensor_close(got[k], v)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import make_batches, train_gemini, train_reference  # noqa: E402
+from gemini_gpt import assert_tensor_close, make_batches, train_gemini, train_reference  # noqa: E402
 
 STEPS = 4
 PRESSURE = 850_000  # bytes: below model states + activations (~1.6 MB), forces evictions every step
@@ -37,7 +37,7 @@ def test_fp32_parity(reference, kwargs):
     gem, losses = train_gemini(batches, init, **kwargs)
     state = gem.state_dict()
     for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+        assert_tensor_close(state[k], v)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     if kwargs["device_memory_budget"] < (1 << 20):
         assert all(s.bytes_moved > 0 for s in gem.stats_history[1:])  # real evictions in steady state
