@@ -37,12 +37,14 @@ def build_buckets(
 def gather_updated_params(flats: list[FlatParam], group: ProcessGroup | None) -> None:
     """All-gather each bucket's updated master shard into its (working-dtype) full buffer.
 
-    All gathers are issued before any is waited on, so they overlap each other.
+    All gathers are issued before any is waited on, so they overlap each other; each lands straight
+    in the bucket's storage (with fp32 parameters and no offload the source is the bucket's own
+    slice: the in-place all-gather).
     """
     with torch.profiler.record_function("colossal.zero::all_gather_params"):
         handles = []
         for flat in flats:
             src = flat.master.to(device=flat.full.device, dtype=flat.full.dtype)  # (shard_numel,)
-            handles.append((flat, all_gather(src, group, async_op=True, tag="zero.all_gather_params")))
-        for flat, handle in handles:
-            flat.full.copy_(handle.wait())
+            handles.append(all_gather(src, group, async_op=True, tag="zero.all_gather_params", out=flat.full))
+        for handle in handles:
+            handle.wait()
