@@ -84,3 +84,31 @@ def boosted_losses(booster, model, optim, loader, steps: int, start: int = 0) ->
         optim.zero_grad()
         losses.append(mean_over_dp(loss, booster))
     return losses
+
+
+# -- save after SAVE_AT steps with one layout, resume with another up to TOTAL (rank functions) --
+SAVE_AT, TOTAL = 2, 4
+
+
+def hybrid_or_ddp(kwargs: dict):
+    """``HybridParallelPlugin(**kwargs)``, or plain DDP for empty ``kwargs``."""
+    from colossalai import HybridParallelPlugin, TorchDDPPlugin
+
+    return HybridParallelPlugin(**kwargs) if kwargs else TorchDDPPlugin()
+
+
+def train_and_save(kwargs: dict, root: str) -> list[float]:
+    """Train SAVE_AT steps with ``hybrid_or_ddp(kwargs)`` and save a run checkpoint under ``root``."""
+    from colossalai import RunState
+
+    booster, model, optim, loader = boosted_setup(hybrid_or_ddp(kwargs))
+    losses = boosted_losses(booster, model, optim, loader, SAVE_AT)
+    booster.save_run(root, model, optim, state=RunState(step=SAVE_AT, consumed_samples=SAVE_AT * GLOBAL_BATCH))
+    return losses
+
+
+def resume_and_train(kwargs: dict, root: str) -> list[float]:
+    """Load the run under ``root`` into ``hybrid_or_ddp(kwargs)`` and train up to TOTAL steps."""
+    booster, model, optim, loader = boosted_setup(hybrid_or_ddp(kwargs))
+    state = booster.load_run(root, model, optim, dataloader=loader)
+    return boosted_losses(booster, model, optim, loader, TOTAL, start=state.step)

@@ -7,32 +7,12 @@ Tolerance: 1e-5 relative on the per-step mean loss (fp32; see test_colossalai_bo
 
 import pytest
 import torch
-from colossalai_harness import GLOBAL_BATCH, boosted_losses, boosted_setup, reference_losses
+from colossalai_harness import TOTAL, boosted_losses, boosted_setup, reference_losses, resume_and_train, train_and_save
 
 from colossal.comm.testing import run_distributed
-from colossalai import HybridParallelPlugin, RunState, TorchDDPPlugin
+from colossalai import HybridParallelPlugin
 from colossalai.checkpoint import load_safetensors_folder
 from colossalai.models import build_gpt
-
-SAVE_AT, TOTAL = 2, 4
-
-
-def _plugin(kwargs):
-    return HybridParallelPlugin(**kwargs) if kwargs else TorchDDPPlugin()
-
-
-def _train_and_save(kwargs, root):
-    booster, model, optim, loader = boosted_setup(_plugin(kwargs))
-    losses = boosted_losses(booster, model, optim, loader, SAVE_AT)
-    booster.save_run(root, model, optim, state=RunState(step=SAVE_AT, consumed_samples=SAVE_AT * GLOBAL_BATCH))
-    return losses
-
-
-def _resume(kwargs, root):
-    booster, model, optim, loader = boosted_setup(_plugin(kwargs))
-    state = booster.load_run(root, model, optim, dataloader=loader)
-    return boosted_losses(booster, model, optim, loader, TOTAL, start=state.step)
-
 
 MATRIX = [  # ((world, plugin kwargs; {} = ddp) saving, (world, kwargs) resuming)
     ((4, dict(tp_size=4, tp_mode="2d")), (1, {})),
@@ -45,8 +25,8 @@ IDS = ["hybrid2d4-to-ddp1", "ddp2-to-hybrid2.5d8", "hybrid-dp2xsp2-to-hybrid3d8"
 
 @pytest.mark.parametrize("save,load", MATRIX, ids=IDS)
 def test_hybrid_resume_across_plugins_and_layouts(tmp_path, save, load):
-    before = run_distributed(_train_and_save, save[0], save[1], str(tmp_path), timeout=120)[0]
-    after = run_distributed(_resume, load[0], load[1], str(tmp_path), timeout=120)[0]
+    before = run_distributed(train_and_save, save[0], save[1], str(tmp_path), timeout=120)[0]
+    after = run_distributed(resume_and_train, load[0], load[1], str(tmp_path), timeout=120)[0]
     torch.testing.assert_close(torch.tensor(before + after), torch.tensor(reference_losses(TOTAL)), rtol=1e-5, atol=0)
 
 

@@ -14,17 +14,20 @@ import torch
 from colossalai_harness import (
     GLOBAL_BATCH,
     SEQ,
+    TOTAL,
     boosted_losses,
     boosted_setup,
     criterion,
     dataset,
     make_model_and_optim,
     reference_losses,
+    resume_and_train,
+    train_and_save,
 )
 
 from colossal.comm.testing import run_distributed
 from colossal.zero import ZeroOptimizer
-from colossalai import Booster, HybridParallelPlugin, RunState, TorchDDPPlugin
+from colossalai import Booster, HybridParallelPlugin, TorchDDPPlugin
 from colossalai.models import build_gpt
 
 STEPS = 3
@@ -127,26 +130,6 @@ def test_hybrid_zero_clips_by_the_dense_norm_under_tp(world, kwargs, norm_type):
             torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-SAVE_AT, TOTAL = 2, 4
-
-
-def _plugin(kwargs):
-    return HybridParallelPlugin(**kwargs) if kwargs else TorchDDPPlugin()
-
-
-def _train_and_save(kwargs, root):
-    booster, model, optim, loader = boosted_setup(_plugin(kwargs))
-    losses = boosted_losses(booster, model, optim, loader, SAVE_AT)
-    booster.save_run(root, model, optim, state=RunState(step=SAVE_AT, consumed_samples=SAVE_AT * GLOBAL_BATCH))
-    return losses
-
-
-def _resume(kwargs, root):
-    booster, model, optim, loader = boosted_setup(_plugin(kwargs))
-    state = booster.load_run(root, model, optim, dataloader=loader)
-    return boosted_losses(booster, model, optim, loader, TOTAL, start=state.step)
-
-
 MATRIX = [
     ((4, dict(tp_size=2, zero_stage=2)), (1, {})),
     ((2, {}), (4, dict(tp_size=1, sp_size=2, zero_stage=1))),
@@ -157,6 +140,6 @@ IDS = ["dp2xtp2-zero2-to-ddp1", "ddp2-to-dp2xsp2-zero1", "dp2x2d4-zero1-to-ddp2"
 
 @pytest.mark.parametrize("save,load", MATRIX, ids=IDS)
 def test_hybrid_zero_resume_across_plugins(tmp_path, save, load):
-    before = run_distributed(_train_and_save, save[0], save[1], str(tmp_path), timeout=120)[0]
-    after = run_distributed(_resume, load[0], load[1], str(tmp_path), timeout=120)[0]
+    before = run_distributed(train_and_save, save[0], save[1], str(tmp_path), timeout=120)[0]
+    after = run_distributed(resume_and_train, load[0], load[1], str(tmp_path), timeout=120)[0]
     torch.testing.assert_close(torch.tensor(before + after), torch.tensor(reference_losses(TOTAL)), rtol=1e-5, atol=0)
