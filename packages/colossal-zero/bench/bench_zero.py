@@ -30,7 +30,10 @@ from colossal.comm.testing import preload, run_distributed  # noqa: E402
 
 preload("colossal.optim", "colossal.zero")
 
-VARIANTS = ["ddp", "torch_zero", "fsdp2", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload"]
+VARIANTS = [
+    "ddp", "torch_zero", "fsdp2", "zero1", "zero2", "zero3", "zero1_overlap", "zero2_overlap",
+    "zero1_offload", "zero2_offload", "zero3_offload",
+]  # fmt: skip
 
 
 def _build(variant: str, cfg: GPTConfig, lr: float):
@@ -63,7 +66,8 @@ def _build(variant: str, cfg: GPTConfig, lr: float):
 
     stage, offload = int(variant[4]), variant.endswith("offload")
     opt = HybridAdam(model.parameters(), lr=lr) if offload else torch.optim.AdamW(model.parameters(), lr=lr)
-    zero = ZeroOptimizer(opt, model, stage=stage, offload=offload, bucket_numel=2**24)
+    overlap = variant.endswith("overlap")  # overlap_param_gather: gathers waited in the next forward
+    zero = ZeroOptimizer(opt, model, stage=stage, offload=offload, bucket_numel=2**24, overlap_param_gather=overlap)
     return model, _zero_step(zero), zero
 
 

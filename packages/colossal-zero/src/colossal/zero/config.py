@@ -68,6 +68,11 @@ class ZeroConfig:
     """Stage 3: start gathering the next unit while the current one computes."""
     sync_module_states: bool = True
     """Broadcast the parameters from rank 0 at construction so every rank starts identical."""
+    overlap_param_gather: bool = False
+    """Stages 1/2: start the all-gather of the updated parameters at the end of ``step()`` and
+    wait for each bucket only in the forward pre-hook of a module owning one of its parameters,
+    so the gather overlaps the next forward (Megatron's ``overlap_param_gather``). Until then the
+    parameters are stale: read them outside a forward only after ``zero.wait_params()``."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -85,6 +90,10 @@ class ZeroConfig:
         if self.bucket_numel < 1 or self.max_inflight < 1:
             raise ValueError(
                 f"bucket_numel and max_inflight must be >= 1, got {self.bucket_numel} and {self.max_inflight}"
+            )
+        if self.overlap_param_gather and self.stage == 3:
+            raise ValueError(
+                "overlap_param_gather applies to stages 1 and 2 (stage 3 prefetches per unit), got stage 3"
             )
         if self.initial_scale <= 0:
             raise ValueError(f"initial_scale must be positive, got {self.initial_scale}")

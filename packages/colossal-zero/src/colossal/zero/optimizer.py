@@ -31,7 +31,7 @@ from colossal.zero._validate import validate
 from colossal.zero.config import ZeroConfig
 from colossal.zero.offload import master_grad, place_master
 from colossal.zero.stage3 import Stage3Engine, Unit, assign_params, find_units
-from colossal.zero.stage12 import build_buckets, gather_updated_params
+from colossal.zero.stage12 import build_buckets, gather_updated_params, start_gather_updated_params
 
 __all__ = ["ZeroOptimizer"]
 
@@ -87,6 +87,9 @@ class ZeroOptimizer:
             self.engine.reducer = self.reducer
             self.reducer.on_complete = self.engine.on_flat_complete
             self.reducer.on_backward_end = self.engine.on_backward_end
+        self._pending_gathers: dict[int, object] = {}  # id(bucket) -> all-gather handle (overlap_param_gather)
+        if cfg.overlap_param_gather:
+            self._install_gather_waits()
         self.scaler = self._make_scaler()
         self.skipped_steps = 0
         """Steps skipped because a gradient was inf/NaN on some rank."""
@@ -173,6 +176,7 @@ class ZeroOptimizer:
         if closure is not None:
             raise NotImplementedError("ZeroOptimizer.step supports closure=None only")
         with torch.profiler.record_function("colossal.zero::step"):
+            self.wait_params()  # buckets no forward used since the last step
             self.reducer.wait_all()
             grads = self._master_grads()
             if has_inf_or_nan(grads, self.config.group, all_reduce=functools.partial(all_reduce, tag="zero.overflow")):
@@ -234,10 +238,35 @@ class ZeroOptimizer:
         """fp32 ``.grad`` of every master: the reduced shard sums (moved to the CPU when offloading)."""
         return [master_grad(f, self.reducer.sharded_grad(f), i) for i, f in enumerate(self.reducer.flats)]
 
+    def _install_gather_waits(self) -> None:
+        """Forward pre-hooks that wait for the pending gathers of the buckets a module's own
+        parameters live in (``overlap_param_gather``)."""
+        bucket_of = {id(p): id(flat) for flat in self.flats for p in flat.params}
+        for module in self.module.modules():
+            ids = tuple(dict.fromkeys(bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of))
+            if ids:
+                module.register_forward_pre_hook(lambda mod, args, ids=ids: self._wait_gathers(ids))
+
+    def _wait_gathers(self, ids) -> None:
+        for i in ids:
+            handle = self._pending_gathers.pop(i, None)
+            if handle is not None:
+                handle.wait()
+
+    def wait_params(self) -> None:
+        """Finish every parameter all-gather still in flight (``overlap_param_gather``): call it
+        before reading parameters outside a forward. A no-op otherwise."""
+        self._wait_gathers(list(self._pending_gathers))
+
     def _publish_params(self) -> None:
         masters = [f for f in self.flats if f.master is not None]
         if self.config.stage != 3:
-            gather_updated_params(masters, self.config.group)
+            self.wait_params()
+            if self.config.overlap_param_gather:
+                started = start_gather_updated_params(masters, self.config.group)
+                self._pending_gathers = {id(flat): handle for flat, handle in started}
+            else:
+                gather_updated_params(masters, self.config.group)
             return
         for flat in masters:
             if not flat.master_aliased:
@@ -306,39 +335,47 @@ class ZeroOptimizer:
     # -- state ----------------------------------------------------------------------------------
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict (fp32 master values), loadable by the plain model."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.full_model_state_dict(self)
 
     def state_dict(self) -> dict:
         """The optimizer state in plain ``torch.optim`` form (full tensors, indices over the
         original ``model.parameters()`` groups) plus ``"loss_scaler"``."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.full_optimizer_state_dict(self)
 
     def load_full_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a plain (unsharded) model state dict into the shards and working parameters."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_full_model_state_dict(self, state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain optimizer state dict (as :meth:`state_dict` or ``torch.optim`` writes it)."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_full_optimizer_state_dict(self, state_dict)
 
     def save_sharded(self, path: str) -> None:
         """Save model + optimizer shards with ``torch.distributed.checkpoint`` (any world size loads)."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.save_sharded(self, path)
 
     def load_sharded(self, path: str) -> None:
         """Load a checkpoint written by :meth:`save_sharded` on any number of ranks."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_sharded(self, path)
 
     def sharded_state_dict(self, *, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
         """This rank's pieces of the flat-slice checkpoint format (``model/<name>@<start>``,
         ``optim/<name>/<key>@<start>``, scalars ``optim/<name>/<key>``; [Note: the sharded layout]
         in :mod:`colossal.zero.checkpoint`): views of its own slices, nothing gathered."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.sharded_state_dict(self, include_optimizer=include_optimizer)
 
     def load_sharded_state_dict(self, metadata, load, *, include_optimizer: bool = True) -> None:
         """Load a flat-slice checkpoint written on any world size, reading only the pieces that
         overlap this rank's slices: ``metadata`` is its DCP ``state_dict_metadata``, ``load(tensors)``
         fills a dict of tensors in place (e.g. ``dcp.load``); collective, once per rank."""
+        self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_sharded_state_dict(self, metadata, load, include_optimizer=include_optimizer)
 
 

@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup
 from colossal.comm import all_gather
 from colossal.zero._flat_param import FlatParam
 
-__all__ = ["build_buckets", "gather_updated_params"]
+__all__ = ["build_buckets", "gather_updated_params", "start_gather_updated_params"]
 
 
 def build_buckets(
@@ -34,17 +34,22 @@ def build_buckets(
     return flats
 
 
-def gather_updated_params(flats: list[FlatParam], group: ProcessGroup | None) -> None:
-    """All-gather each bucket's updated master shard into its (working-dtype) full buffer.
-
-    All gathers are issued before any is waited on, so they overlap each other; each lands straight
-    in the bucket's storage (with fp32 parameters and no offload the source is the bucket's own
-    slice: the in-place all-gather).
+def start_gather_updated_params(flats: list[FlatParam], group: ProcessGroup | None) -> list[tuple[FlatParam, object]]:
+    """Start all-gathering each bucket's updated master shard into its (working-dtype) full buffer;
+    returns ``(bucket, handle)`` pairs. Each lands straight in the bucket's storage (with fp32
+    parameters and no offload the source is the bucket's own slice: the in-place all-gather).
+    Buckets hold parameters in reverse registration order, so the last bucket (the first layers)
+    is issued first: the next forward needs it first.
     """
     with torch.profiler.record_function("colossal.zero::all_gather_params"):
         handles = []
-        for flat in flats:
+        for flat in reversed(flats):
             src = flat.master.to(device=flat.full.device, dtype=flat.full.dtype)  # (shard_numel,)
-            handles.append(all_gather(src, group, async_op=True, tag="zero.all_gather_params", out=flat.full))
-        for handle in handles:
-            handle.wait()
+            handles.append((flat, all_gather(src, group, async_op=True, tag="zero.all_gather_params", out=flat.full)))
+        return handles
+
+
+def gather_updated_params(flats: list[FlatParam], group: ProcessGroup | None) -> None:
+    """All gathers of :func:`start_gather_updated_params`, issued together, then waited."""
+    for _, handle in start_gather_updated_params(flats, group):
+        handle.wait()
