@@ -5,7 +5,6 @@ zero (softmax is invariant to adding q.b to every score), so both runs only see 
 which Adam normalises into +-lr steps of arbitrary sign; any change in summation order flips them.
 """
 
-import copy
 import pathlib
 import sys
 
@@ -15,24 +14,12 @@ import torch.distributed as dist
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches  # noqa: E402
+from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches, train_reference  # noqa: E402
 
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 
 STEPS = 3
 BUDGET = 300_000  # bytes: below the shards + gathered chunks + activations, so chunks are evicted
-
-
-def _reference(batches):
-    torch.manual_seed(0)
-    ref = GPT(GPTConfig())
-    init = copy.deepcopy(ref.state_dict())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in batches:
-        loss_fn(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return init, ref.state_dict()
 
 
 class _WithUnused(torch.nn.Module):
@@ -62,7 +49,7 @@ def _rank_train(placement, budget, batches, init):
 
 def test_two_ranks_match_single_process_under_budget_pressure_and_unused_params_do_not_hang():
     batches = make_batches(STEPS, batch=2, seq=8)
-    init, ref_state = _reference(batches)
+    init, ref_state, _ = train_reference(batches)
     results = run_distributed(_rank_train, 2, "auto", BUDGET, batches, init, timeout=120)
     for state, peaks, moved in results:
         assert all(p <= BUDGET for p in peaks)

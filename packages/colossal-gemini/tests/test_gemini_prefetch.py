@@ -6,7 +6,6 @@ budget that holds everything. The order test records, per operator, which chunks
 (asynchronously) and which were gathered on demand, and checks the comm events' async flag.
 """
 
-import copy
 import pathlib
 import sys
 
@@ -18,25 +17,13 @@ from colossal.comm import CommCounter
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches  # noqa: E402
+from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches, train_reference  # noqa: E402
 
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 from colossal.gemini.prefetch import plan_depths  # noqa: E402
 
 STEPS = 3
 PRESSURE, ROOMY = 300_000, 10_000_000  # bytes of device budget
-
-
-def _reference(batches):
-    torch.manual_seed(0)
-    ref = GPT(GPTConfig())
-    init = copy.deepcopy(ref.state_dict())
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for x, y in batches:
-        loss_fn(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return init, ref.state_dict()
 
 
 def _record(gem, log):
@@ -84,7 +71,7 @@ def _rank_fn(batches, init):
 @pytest.fixture(scope="module")
 def runs():
     batches = make_batches(STEPS, batch=2, seq=8)
-    init, ref_state = _reference(batches)
+    init, ref_state, _ = train_reference(batches)
     return ref_state, run_distributed(_rank_fn, 2, batches, init, timeout=180)
 
 

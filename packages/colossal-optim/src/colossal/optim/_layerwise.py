@@ -154,6 +154,17 @@ class LayerwiseOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._flats.clear()
 
+    @staticmethod
+    def _norm_buffers(params: list[Tensor], optimizer: str) -> Tensor:
+        """Check the gradients, then zeros ``(2, len(params))`` for the local squared norms (of the
+        weights and of x), fp64 when any parameter is, on the first parameter's device."""
+        for p in params:
+            if p.grad is not None:
+                check_grad(p, optimizer)
+        device = params[0].device if params else torch.device("cpu")
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        return torch.zeros(2, len(params), dtype=dtype, device=device)
+
     def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Return the per-parameter tensors x (whose norm enters the ratio) and local ``[w_sq | x_sq]``."""
         raise NotImplementedError

@@ -38,7 +38,6 @@ from ._layerwise import (
     NormReducer,
     by_device_dtype,
     check_adam_hyperparameters,
-    check_grad,
     sq_norms,
     trust_ratio,
 )
@@ -121,12 +120,8 @@ class Lamb(LayerwiseOptimizer):
         return state
 
     def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[tuple, Tensor]:
-        for p in params:
-            if p.grad is not None:
-                check_grad(p, "Lamb")
-        device = params[0].device if params else torch.device("cpu")
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        w_sq, u_sq = torch.zeros(2, len(params), dtype=dtype, device=device)
+        w_sq, u_sq = self._norm_buffers(params, "Lamb")
+        device, dtype = w_sq.device, w_sq.dtype
         positions, flat_plans, done = {id(p): i for i, p in enumerate(params)}, [], set()
         for flat in self._flat_spaces(group, ADAM_MOMENTS, step=True) if group["eps"] > 0 else []:
             idx = flat.ready(positions)

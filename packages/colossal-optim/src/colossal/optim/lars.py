@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._layerwise import LayerwiseOptimizer, NormReducer, check_grad, sq_norms, trust_ratio
+from ._layerwise import LayerwiseOptimizer, NormReducer, sq_norms, trust_ratio
 
 __all__ = ["Lars"]
 
@@ -72,12 +72,8 @@ class Lars(LayerwiseOptimizer):
         super().__init__(params, defaults, norm_reducer, flatten)
 
     def _prepare(self, group: dict[str, Any], params: list[Tensor]) -> tuple[list[Tensor | None], Tensor]:
-        for p in params:
-            if p.grad is not None:
-                check_grad(p, "Lars")
-        device = params[0].device if params else torch.device("cpu")
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        w_sq, g_sq = torch.zeros(2, len(params), dtype=dtype, device=device)
+        w_sq, g_sq = self._norm_buffers(params, "Lars")
+        device, dtype = w_sq.device, w_sq.dtype
         positions, done = {id(p): i for i, p in enumerate(params)}, set()
         moments = ("momentum_buffer",) if group["momentum"] else ()
         for flat in self._flat_spaces(group, moments, step=False):
