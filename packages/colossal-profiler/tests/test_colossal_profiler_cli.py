@@ -1,8 +1,9 @@
 """``colossal-profiler summarize DIR`` prints per-rank and merged tables."""
 
 import json
-import shutil
+import pathlib
 import subprocess
+import sys
 
 from profiler_helpers import scripted_step
 
@@ -37,7 +38,9 @@ def test_missing_dir_is_an_error(tmp_path, capsys):
 
 def test_console_script(tmp_path):
     _two_ranks(tmp_path)
-    exe = shutil.which("colossal-profiler")
-    cmd = [exe] if exe else ["python", "-m", "colossal.profiler.cli"]
+    # The interpreter under test, never the first ``python`` / ``colossal-profiler`` on PATH: the
+    # console script of this environment sits next to it (when the package is installed).
+    exe = pathlib.Path(sys.executable).with_name("colossal-profiler")
+    cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "colossal.profiler.cli"]
     out = subprocess.run([*cmd, "summarize", str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "Communication by call site" in out

@@ -43,9 +43,10 @@ def test_train_shows_progress_summary_sample_and_falling_loss(first_run):
     losses = _losses(out)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert losses[6] < losses[1]
-    for column in ("tok/s", "mem[cpu=", "moved", "eta"):
+    for column in ("tok/s", "mem[cpu=", "comm ", "tier-moves ", "eta"):
         assert column in out
     assert "colossalai train" in out and "tokens/s" in out and "sample:" in out
+    assert "communicated" in out and "moved between tiers" in out and "\ufffd" not in out
 
 
 def test_train_writes_tensorboard_and_checkpoints(first_run):

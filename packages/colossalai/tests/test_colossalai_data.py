@@ -21,6 +21,13 @@ def test_windows_are_shifted_pairs():
     assert decode(encode("héllo")) == "héllo"
 
 
+def test_decode_keeps_invalid_bytes_as_escapes():
+    """A sampled byte sequence that is not valid UTF-8 shows its bytes, not U+FFFD."""
+    tokens = torch.tensor([*encode("é="), 0xFF, 0xE2, 0x82])  # a stray byte, a cut-off '€'
+    assert decode(tokens) == "é=\\xff\\xe2\\x82"
+    assert "\ufffd" not in decode(torch.arange(256))
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_global_batches_do_not_depend_on_world_size(world):
     ds = TokenWindows(torch.arange(1000) % 256, 4)

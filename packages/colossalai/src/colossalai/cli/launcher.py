@@ -12,9 +12,13 @@ import dataclasses
 import os
 import pathlib
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+
+from colossalai.cli.rank_errors import ERRORS_ENV, first_failure, split_launcher_noise
 
 __all__ = ["Host", "parse_hostfile", "torchrun_command", "run_script", "relaunch_under_torchrun"]
 
@@ -104,11 +108,23 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
-    """Start ``colossalai <argv>`` again as ``nproc`` torchrun workers of this host."""
-    env = dict(os.environ)
+    """Start ``colossalai <argv>`` again as ``nproc`` torchrun workers of this host; a failure is
+    reported once, as the first failing rank's message (``[Note: reporting rank failures once]``
+    in :mod:`colossalai.cli.rank_errors`). Returns torchrun's exit code."""
+    errors = tempfile.mkdtemp(prefix="colossalai-errors-")
+    env = {**os.environ, ERRORS_ENV: errors}
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = torchrun_command(nproc, ["colossalai.cli", *_without_nproc(argv)], module=True)
-    return subprocess.call(cmd, env=env)
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+        held = split_launcher_noise(proc.stderr)
+    first, failed = first_failure(errors)
+    if proc.returncode == 0 or first is None:
+        sys.stderr.writelines(held)
+        shutil.rmtree(errors, ignore_errors=True)
+        return proc.returncode
+    print(f"colossalai: rank {first.rank} of {nproc} failed: {first.message}", file=sys.stderr)
+    print(f"colossalai: {failed} rank(s) failed; tracebacks in {errors}", file=sys.stderr)
+    return proc.returncode
 
 
 def under_launcher() -> bool:

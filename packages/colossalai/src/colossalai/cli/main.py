@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from colossalai.cli import launcher
+from colossalai.cli.rank_errors import ERRORS_ENV, record_failure
 from colossalai.cli.train_args import add_train_arguments
 
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (exit code 2, as argparse)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    parser = argparse.ArgumentParser(prog="colossalai", description="Colossal: train, launch, check.")
+    parser = _Parser(prog="colossalai", description="Colossal: train, launch, check.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_arguments(sub.add_parser("train", help="train a GPT on the embedded corpus (the main job)"))
     run = sub.add_parser("run", help="launch a script on N processes of one or several hosts (torchrun)")
@@ -25,26 +35,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _validate(args: argparse.Namespace, quiet: bool) -> bool:
+    """Check ``args`` before anything starts: prints one line per problem; False when unusable."""
+    from colossalai.cli import validate
+
+    try:
+        if args.command == "run":
+            warnings = validate.validate_run(args)
+        else:
+            world = int(os.environ.get("WORLD_SIZE", args.nproc)) if launcher.under_launcher() else None
+            warnings = validate.validate_train(args, world)
+    except validate.UsageError as exc:
+        print(f"colossalai {args.command}: error: {exc}", file=sys.stderr)
+        return False
+    for warning in [] if quiet else warnings:
+        print(f"colossalai {args.command}: warning: {warning}", file=sys.stderr)
+    return True
+
+
+def _train_worker(args: argparse.Namespace) -> int:
+    """``train`` in this process; under our own relaunch a failure is recorded for the parent to
+    print once, and the rank leaves at once (``[Note: reporting rank failures once]``)."""
+    from colossalai.cli.train import train
+
+    folder = os.environ.get(ERRORS_ENV)
+    if folder is None:
+        train(args)
+        return 0
+    try:
+        train(args)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, once, by the parent
+        record_failure(exc, folder)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``colossalai`` console script."""
+    """Entry point of the ``colossalai`` console script (exit code 2: a bad argument)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "check":
         from colossalai.cli.check import check
 
         return check()
-    from colossalai.cli import launcher
-
+    if not _validate(args, quiet=ERRORS_ENV in os.environ):
+        return 2
     if args.command == "run":
         return launcher.run_script(
             args.target, nproc=args.nproc, hostfile=args.hostfile, port=args.master_port, module=args.module
         )
     if args.nproc > 1 and not launcher.under_launcher():
         return launcher.relaunch_under_torchrun(args.nproc, argv)
-    from colossalai.cli.train import train
-
-    train(args)
-    return 0
+    return _train_worker(args)
 
 
 if __name__ == "__main__":

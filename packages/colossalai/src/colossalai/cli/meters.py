@@ -1,4 +1,5 @@
-"""What the training progress shows besides the loss: throughput, memory per tier, bytes moved.
+"""What the training progress shows besides the loss: throughput, memory per tier, and bytes
+moved, kept apart by kind: communicated (collectives) and moved between memory tiers.
 
 Bytes moved are collected from every source that publishes them: ``colossal.comm`` collectives
 (``CommEvent``), chunk moves of ``colossal.zero`` / ``colossal.gemini`` (``ChunkMoveEvent``, by
@@ -114,6 +115,10 @@ class Meters:
         end = self._t1 if self._t1 is not None else time.perf_counter()
         return self.tokens / max(end - self._t0, 1e-9)
 
-    def total_moved(self) -> int:
-        """All bytes moved so far."""
-        return sum(self.moved.values())
+    def communicated(self) -> int:
+        """Bytes sent through collectives so far (``colossal.comm`` and DDP's all-reduce)."""
+        return self.moved["comm"] + self.moved["ddp"]
+
+    def tier_moved(self) -> int:
+        """Bytes moved between memory tiers so far (chunk moves of Gemini / ZeRO offload)."""
+        return sum(n for channel, n in self.moved.items() if "->" in channel)

@@ -18,12 +18,13 @@ def _status(step: int, total: int, loss: float, meters: Meters) -> str:
     mem = " ".join(f"{tier}={format_bytes(b)}" for tier, b in meters.memory().items())
     return (
         f"step {step}/{total} loss {loss:.6f} tok/s {meters.tokens_per_s():,.0f} "
-        f"mem[{mem}] moved {format_bytes(meters.total_moved())}"
+        f"mem[{mem}] comm {format_bytes(meters.communicated())} tier-moves {format_bytes(meters.tier_moved())}"
     )
 
 
 class TrainProgress:
-    """Shows step, loss, tokens/s, memory per tier, bytes moved and ETA (rank 0 only).
+    """Shows step, loss, tokens/s, memory per tier, bytes communicated and moved between tiers,
+    and ETA (rank 0 only).
 
     ``mode``: ``"rich"`` (live bar), ``"plain"`` (one line per ``log_every`` steps, for logs and
     pipes) or ``"auto"`` (rich on a terminal).
@@ -40,7 +41,7 @@ class TrainProgress:
             self.bar = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
-                TextColumn("{task.fields[status]}"),
+                TextColumn("{task.fields[status]}", markup=False),  # "mem[cpu=...]" is not a style tag
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
                 TimeElapsedColumn(),

@@ -128,7 +128,8 @@ class _Logger:
         self.writer.add_scalar("train/loss", loss, step)
         self.writer.add_scalar("train/lr", lr, step)
         self.writer.add_scalar("train/tokens_per_s", meters.tokens_per_s(), step)
-        self.writer.add_scalar("train/bytes_moved", meters.total_moved(), step)
+        self.writer.add_scalar("train/comm_bytes", meters.communicated(), step)
+        self.writer.add_scalar("train/tier_move_bytes", meters.tier_moved(), step)
         for tier, nbytes in meters.memory().items():
             self.writer.add_scalar(f"memory/{tier}", nbytes, step)
 
@@ -240,7 +241,8 @@ def train(args: argparse.Namespace) -> dict:
         "loss": f"{first:.4f} -> {last:.4f}" if first is not None else "n/a",
         "tokens/s": f"{meters.tokens_per_s():,.0f}",
         "memory": ", ".join(f"{t}={format_bytes(b)}" for t, b in meters.memory().items()),
-        "bytes moved": format_bytes(meters.total_moved()),
+        "communicated": format_bytes(meters.communicated()),
+        "moved between tiers": format_bytes(meters.tier_moved()),
         "wall time": f"{time.perf_counter() - t0:.1f} s",
         "checkpoint": str(args.save_dir or "-"),
     }

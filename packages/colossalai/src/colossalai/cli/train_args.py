@@ -53,10 +53,8 @@ def parse_bytes(text: str | None) -> int | None:
         return None
     units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
     s = text.strip().lower()
-    for unit, scale in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * scale)
+    unit = next((u for u in units if s.endswith(u)), "")
     try:
-        return int(float(s))
+        return int(float(s[: len(s) - len(unit)]) * units.get(unit, 1))
     except ValueError:
         raise ValueError(f"--device-budget must look like '2GiB', '512MB' or a byte count, got {text!r}") from None

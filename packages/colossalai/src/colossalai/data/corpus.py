@@ -57,5 +57,10 @@ def encode(text: str) -> torch.Tensor:
 
 
 def decode(tokens: torch.Tensor) -> str:
-    """Token ids (N,) back to text (invalid UTF-8 replaced)."""
-    return bytes(int(t) for t in tokens.flatten().tolist()).decode("utf-8", errors="replace")
+    """Token ids (N,) back to text: the UTF-8 that :func:`encode` and the corpus files use.
+
+    A byte-level model may emit any byte, and a sample cut at a fixed length may end inside a
+    character; a byte that is not part of valid UTF-8 is kept, as a ``\\xNN`` escape (Python's
+    own spelling), rather than lost to U+FFFD.
+    """
+    return bytes(tokens.flatten().tolist()).decode("utf-8", errors="backslashreplace")

@@ -1,0 +1,221 @@
+"""Checks of every ``colossalai train`` / ``run`` argument, made before any process is spawned.
+
+A bad argument is reported as one line and exit code 2 (argparse's convention for usage errors)
+instead of N ranks each failing with a traceback minutes later. The checks need no process
+group: the world size is ``--nproc`` (or ``WORLD_SIZE`` inside a launcher), and the plugin is
+built, not configured, so that its own constructor checks run here too.
+
+[Note: what is checked]
+Ranges of the plain numbers; paths; plugin-only flags given to another plugin; the plugin's own
+constructor checks and precisions; the parallel degrees against the world size; the global batch
+against the data-parallel size; the corpus against one global batch; the GPT's shape against the
+tensor/sequence-parallel split (the divisibilities ``colossal.tensor_parallel`` checks at
+conversion time, restated here for the built-in GPT); the processes against the cores (a warning)
+and the GPUs (an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+
+import torch
+
+__all__ = ["UsageError", "validate_train", "validate_run", "usable_cores"]
+
+
+class UsageError(ValueError):
+    """An argument that cannot work; the CLI prints it as one line and exits with code 2."""
+
+
+PLUGIN_FLAGS: dict[str, tuple[str, ...]] = {
+    "gemini": ("device_budget", "placement"),
+    "zero": ("zero_stage", "offload"),
+    "hybrid": ("tp_size", "tp_mode", "tp_depth", "sp_size", "sp_kind"),
+}
+"""Plugin -> the ``train`` options (argparse ``dest``) that only it reads."""
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Counts >= 1, counts >= 0, finite positive rates."""
+    at_least = {"nproc": 1, "steps": 1, "batch_size": 1, "log_every": 1, "corpus_bytes": 2}
+    at_least |= {"warmup": 0, "save_every": 0, "sample_tokens": 0, "seed": 0}
+    for dest, low in at_least.items():
+        if getattr(args, dest) < low:
+            raise UsageError(f"{_flag(dest)} must be >= {low}, got {getattr(args, dest)}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        raise UsageError(f"--grad-clip must be a finite number >= 0 (0: off), got {args.grad_clip}")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """``--resume`` exists; output folders are not files."""
+    if args.resume is not None and not pathlib.Path(args.resume).is_dir():
+        raise UsageError(f"--resume {args.resume}: no such checkpoint folder")
+    for dest in ("save_dir", "export", "profile", "tensorboard"):
+        path = getattr(args, dest)
+        if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
+            raise UsageError(f"{_flag(dest)} {path}: exists and is not a folder")
+
+
+def _check_plugin_flags(args: argparse.Namespace) -> None:
+    """Options of one plugin given with another: refused rather than silently ignored."""
+    from colossalai.cli.train_args import add_train_arguments
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    for owner, dests in PLUGIN_FLAGS.items():
+        given = [_flag(d) for d in dests if getattr(args, d) != defaults.get(d)]
+        if given and owner != args.plugin:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise UsageError(f"{', '.join(given)} {verb} to --plugin {owner}, got --plugin {args.plugin}")
+
+
+def _build_plugin(args: argparse.Namespace):
+    """The plugin (its constructor validates its options) and its check of ``--precision``."""
+    from colossalai.booster.precision import parse_precision
+    from colossalai.cli.train import _plugin
+
+    try:
+        plugin = _plugin(args)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise UsageError(str(exc)) from None
+    precision = parse_precision(args.precision)
+    if precision not in plugin.supported_precisions:
+        supported = ", ".join(p.value for p in plugin.supported_precisions)
+        raise UsageError(f"--plugin {args.plugin} supports --precision {supported}; got {args.precision}")
+    return plugin
+
+
+MODEL_PARALLEL = ("pp_size", "tp_size", "sp_size")
+"""Plugin attributes holding model-parallel degrees (processes per model replica = their product)."""
+
+
+def _model_parallel(plugin) -> dict[str, int]:
+    """The plugin's model-parallel degrees: ``{"tp": 2, ...}`` (absent attributes count 1)."""
+    return {name[: -len("_size")]: getattr(plugin, name, 1) for name in MODEL_PARALLEL}
+
+
+def _data_parallel(args: argparse.Namespace, plugin, world: int) -> int:
+    """The data-parallel size; the degrees must divide the world and dp the global batch."""
+    degrees = _model_parallel(plugin)
+    product = math.prod(degrees.values())
+    if world % product:
+        named = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1)
+        raise UsageError(
+            f"{named} = {product} processes per model replica must divide the world size {world} (--nproc)"
+        )
+    dp = world // product
+    if args.batch_size % dp:
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp} "
+            f"(world {world} / {product} per replica)"
+        )
+    return dp
+
+
+def _check_corpus(args: argparse.Namespace, seq_len: int) -> None:
+    """At least one global batch of windows in the corpus (otherwise every epoch is empty)."""
+    windows = (args.corpus_bytes - 1) // seq_len
+    if windows < args.batch_size:
+        need = args.batch_size * seq_len + 1
+        raise UsageError(
+            f"--corpus-bytes {args.corpus_bytes} holds {windows} windows of {seq_len} tokens; "
+            f"one batch of --batch-size {args.batch_size} needs {need} bytes"
+        )
+
+
+def _split_rules(config, plugin, per_rank_batch: int, seq_len: int) -> list[tuple[int, int, str, str]]:
+    """``(value, divisor, what, by_what)`` the tensor/sequence-parallel split of the GPT needs."""
+    tp, sp = getattr(plugin, "tp_size", 1), getattr(plugin, "sp_size", 1)
+    c, h, v = config.n_embd, config.n_head, config.vocab_size
+    mode, depth = getattr(plugin, "tp_mode", "1d"), getattr(plugin, "tp_depth", 1)
+    power = {"1d": 1, "3d": 3}.get(mode, 2)
+    q = round((tp // depth) ** (1 / power))  # 1D: tp; else the grid side (check_layout passed)
+    rules = [(seq_len, sp, "--seq-len", "--sp-size")]
+    if sp > 1 and getattr(plugin, "sp_kind", "ring") == "all_to_all" and h % q == 0:
+        rules.append((h // q, sp, "attention heads per tensor-parallel rank", "--sp-size"))
+    if tp == 1:
+        return rules
+    if mode == "1d":
+        return rules + [(h, tp, "n_head", "--tp-size"), (v, tp, "vocab_size", "--tp-size")]
+    rules += [(h, q, "n_head", f"the {mode} grid side {q}"), (c, q**power, "n_embd", f"{mode} q^{power} = {q**power}")]
+    rules.append((v, q ** (power - 1), "vocab_size", f"{mode} q^{power - 1}"))
+    rows = q * q if mode == "3d" else q * depth
+    return rules + [(per_rank_batch, rows, "batch per data-parallel rank", f"the {mode} batch blocks {rows}")]
+
+
+def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
+    """The preset (with ``--seq-len``) is a valid GPT that the plugin can split."""
+    from colossalai.models import gpt_config
+
+    config = gpt_config(args.preset)
+    seq_len = args.seq_len or config.block_size
+    _check_corpus(args, seq_len)
+    for value, by, what, by_what in _split_rules(config, plugin, args.batch_size // dp, seq_len):
+        if value % by:
+            raise UsageError(f"GPT {args.preset}: {what} {value} must be divisible by {by_what} (= {by})")
+
+
+def _check_processes(nproc: int) -> list[str]:
+    """More processes than GPUs is an error; more than cores, a warning."""
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise UsageError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPU(s)")
+    cores = usable_cores()
+    if not torch.cuda.is_available() and nproc > cores:
+        return [f"--nproc {nproc} exceeds the {cores} usable CPU core(s): ranks will share cores and run slowly"]
+    return []
+
+
+def validate_train(args: argparse.Namespace, world: int | None = None) -> list[str]:
+    """Check every ``train`` option; returns warnings, raises :class:`UsageError` for the first
+    bad one. ``world``: processes in the job (default ``--nproc``)."""
+    _check_ranges(args)
+    _check_paths(args)
+    _check_plugin_flags(args)
+    plugin = _build_plugin(args)
+    world = args.nproc if world is None else world
+    dp = _data_parallel(args, plugin, world)
+    _check_model(args, plugin, dp)
+    return _check_processes(args.nproc)
+
+
+def validate_run(args: argparse.Namespace) -> list[str]:
+    """Check the ``run`` options: processes, hostfile, port, target; returns warnings."""
+    from colossalai.cli.launcher import parse_hostfile
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if not 1 <= args.master_port <= 65535:
+        raise UsageError(f"--master-port must lie in [1, 65535], got {args.master_port}")
+    if not args.target:
+        raise UsageError("needs a script to run (e.g. colossalai run --nproc 2 train.py)")
+    if not args.module and not pathlib.Path(args.target[0]).is_file():
+        raise UsageError(f"script {args.target[0]} does not exist (use -m for a module)")
+    if args.hostfile is not None:
+        if not pathlib.Path(args.hostfile).is_file():
+            raise UsageError(f"--hostfile {args.hostfile}: no such file")
+        try:
+            parse_hostfile(args.hostfile)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return []
+    return _check_processes(args.nproc)
