@@ -34,12 +34,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
+import torch
 from torch.distributed import ProcessGroup
 
-from colossal.comm.mesh import Mesh, sub_device_mesh
+from colossal.comm.submesh import sub_device_mesh
 
 __all__ = ["Layout2D", "Layout2p5D", "Layout3D", "build_layout"]
+
+
+class AxisGrid(Protocol):
+    """What a layout reads of a :class:`~colossal.comm.Mesh` (named here, not imported: the mesh
+    module imports this one to build its layouts)."""
+
+    names: tuple[str, ...]
+    rank_grid: torch.Tensor
+    device_type: str
+
+    def size(self, axis: str) -> int: ...
+
+    def coordinate(self, axis: str) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +129,7 @@ def _side(p: int, power: int, what: str, axis: str, depth: int = 1) -> int:
     return q
 
 
-def build_layout(mesh: Mesh, kind: str, axis: str, depth: int = 1):
+def build_layout(mesh: AxisGrid, kind: str, axis: str, depth: int = 1):
     """Build the ``kind`` layout (``"2d"``, ``"2.5d"``, ``"3d"``) of ``mesh``'s ``axis``."""
     p = mesh.size(axis)
     if kind == "2d":
@@ -160,7 +175,7 @@ def build_layout(mesh: Mesh, kind: str, axis: str, depth: int = 1):
 
 
 def _groups(
-    mesh: Mesh, axis: str, split: dict[str, int], wanted: dict[str, tuple[str, ...]]
+    mesh: AxisGrid, axis: str, split: dict[str, int], wanted: dict[str, tuple[str, ...]]
 ) -> dict[str, ProcessGroup]:
     """Split ``axis`` of the rank grid into ``split`` (row-major) and build one group per
     ``wanted`` entry: the ranks that differ only along its listed sub-dimensions."""

@@ -18,6 +18,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from colossal.comm.layouts import build_layout
+from colossal.comm.submesh import sub_device_mesh
+
 __all__ = ["Axis", "Mesh"]
 
 
@@ -145,20 +148,7 @@ class Mesh:
     def layout(self, kind: str, axis: str = "tp", depth: int = 1):
         """The 2D / 2.5D / 3D tensor-parallel sub-layout of ``axis`` (``kind`` in ``"2d"``,
         ``"2.5d"``, ``"3d"``), built once and cached. See :mod:`colossal.comm.layouts`."""
-        from colossal.comm import layouts
-
         key = ("layout", kind, axis, depth)
         if key not in self._cache:
-            self._cache[key] = layouts.build_layout(self, kind, axis, depth)
+            self._cache[key] = build_layout(self, kind, axis, depth)
         return self._cache[key]
-
-
-def sub_device_mesh(
-    device_type: str, grid: torch.Tensor, names: tuple[str, ...], merged: tuple[str, ...], merged_name: str
-) -> DeviceMesh:
-    """A DeviceMesh whose last dimension, ``merged_name``, is the row-major product of the
-    ``merged`` dimensions of ``grid``; the other dimensions are flattened into ``"rest"``."""
-    keep = [i for i, n in enumerate(names) if n not in merged]
-    order = keep + [names.index(n) for n in merged]
-    t = grid.permute(order).reshape(-1, math.prod(grid.shape[names.index(n)] for n in merged))
-    return DeviceMesh(device_type, t, mesh_dim_names=("rest", merged_name))
