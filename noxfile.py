@@ -1,8 +1,9 @@
 """Sessions for the Colossal monorepo.
 
 Every package is tested in a virtual environment that holds only that package, the sibling
-packages it declares (installed from this tree, never from a registry), its ``test`` extra and
-torch. That is how we prove the import arrows of ``ARCHITECTURE.md``.
+packages it declares (installed from this tree, never from a registry), its ``test`` extra
+(local packages there too, e.g. the test-only ``colossal-testkit``) and torch. That is how we
+prove the import arrows of ``ARCHITECTURE.md``.
 
 torch comes from one pinned spec, ``COLOSSAL_TORCH_SPEC`` (default ``torch==2.13.0``, the CPU
 build that lies on this project's machines), passed as a pip constraint to every install so that

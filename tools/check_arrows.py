@@ -1,12 +1,14 @@
 """Fail when a package imports a sibling it does not declare, or one ARCHITECTURE.md forbids.
 
-Three rules, checked statically over every ``packages/*/src`` file (tests and benches may use the
+Four rules, checked statically over every ``packages/*/src`` file (tests and benches may use the
 ``test``/bench extras, so only ``src`` is checked):
 
 1. a sibling import must be declared in ``[project].dependencies``;
 2. a declared sibling must be one of the arrows allowed in ``ARCHITECTURE.md`` (``ALLOWED``);
 3. a sibling is reached only through its public names: ``colossal.comm`` but never
-   ``colossal.comm._private``.
+   ``colossal.comm._private``;
+4. a test-only package (``TEST_ONLY``: colossal-testkit) is never a run-time dependency and never
+   imported by any ``src``; packages list it in their ``test`` extra.
 
 Run as ``python tools/check_arrows.py`` (the ``lint`` nox session does); exits 1 with one line per
 violation.
@@ -39,7 +41,11 @@ ALLOWED: dict[str, set[str]] = {
     "colossal-profiler": set(),
     "fastfold": {"colossal-comm"},
     "colossalai": ALL,
+    "colossal-testkit": set(),
 }
+TEST_ONLY = {"colossal-testkit"}
+"""Packages that only test suites (and benches) use: declared in ``test`` extras, never in
+``dependencies``, never imported from ``src``."""
 
 
 def import_roots(root: pathlib.Path = ROOT) -> dict[str, str]:
@@ -76,12 +82,17 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
         project = tomllib.loads(pyproject.read_text())["project"]
         dist = project["name"]
         declared = {re.split(r"[ <>=!~;\[]", d, maxsplit=1)[0].lower() for d in project.get("dependencies", [])}
-        for sib in sorted((declared & set(owners.values())) - ALLOWED.get(dist, set())):
+        for sib in sorted(declared & TEST_ONLY):
+            bad.append(f"{pyproject}: declares test-only {sib} in dependencies (list it in the test extra)")
+        for sib in sorted((declared & set(owners.values())) - ALLOWED.get(dist, set()) - TEST_ONLY):
             bad.append(f"{pyproject}: declares {sib}, an arrow ARCHITECTURE.md does not allow")
         for path in sorted((pyproject.parent / "src").rglob("*.py")):
             for lineno, name in imported_names(path):
                 for mod, owner in owners.items():
                     if owner == dist or not (name == mod or name.startswith(mod + ".")):
+                        continue
+                    if owner in TEST_ONLY:
+                        bad.append(f"{path}:{lineno}: imports {name} of test-only {owner}; only tests may")
                         continue
                     if owner not in declared:
                         bad.append(f"{path}:{lineno}: imports {name} ({owner}) but {dist} does not declare it")

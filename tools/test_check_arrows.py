@@ -32,5 +32,17 @@ def test_undeclared_forbidden_and_private_imports_are_reported(tmp_path):
     assert "imports colossal.optim (colossal-optim) but colossal-profiler does not declare it" in bad
 
 
+def test_test_only_package_stays_out_of_src(tmp_path):
+    _package(tmp_path, "colossal-testkit", "colossal.testkit", ["torch"], "")
+    _package(tmp_path, "colossal-zero", "colossal.zero", ["colossal-testkit"], "from colossal.testkit import GPT\n")
+    _package(tmp_path, "colossal-comm", "colossal.comm", [], "import colossal.testkit.gpt\n")
+    bad = check_arrows.violations(tmp_path)
+    assert len(bad) == 3, bad
+    text = "\n".join(bad)
+    assert "declares test-only colossal-testkit in dependencies (list it in the test extra)" in text
+    assert "imports colossal.testkit of test-only colossal-testkit; only tests may" in text
+    assert "imports colossal.testkit.gpt of test-only colossal-testkit; only tests may" in text
+
+
 def test_the_repository_itself_is_clean():
     assert check_arrows.violations() == []

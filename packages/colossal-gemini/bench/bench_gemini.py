@@ -29,9 +29,9 @@ import time
 
 import torch
 
+from colossal.testkit import GPT, GPTConfig, lm_loss  # the contract GPT of the tests (a bench sibling)
+
 HERE = pathlib.Path(__file__).parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the contract GPT the tests use (colossalai is not a dependency)
-from gemini_gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 
 def _cfg(width: int, layers: int) -> GPTConfig:
@@ -52,7 +52,7 @@ def _non_model_peak(model, batch) -> int:
     keys = {p.untyped_storage()._cdata for p in model.parameters()}
     x, y = batch
     with NonModelTracker(lambda k: k in keys) as tracker:
-        loss_fn(model(x), y).backward()
+        lm_loss(model(x), y).backward()
         peak = tracker.peak_bytes
     model.zero_grad(set_to_none=True)
     return peak
@@ -76,7 +76,7 @@ def run_plain(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(x, y):
-        loss_fn(model(x), y).backward()
+        lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -101,7 +101,7 @@ def run_zero(args) -> dict:
     handle = zero.register_observer(lambda e: moved.append(e.nbytes) if e.kind == "chunk_move" else None)
 
     def step(x, y):
-        opt.backward(loss_fn(model(x), y))
+        opt.backward(lm_loss(model(x), y))
         opt.step()
         opt.zero_grad()
 
@@ -129,7 +129,7 @@ def run_gemini(args) -> dict:
         opt = GeminiOptimizer(torch.optim.AdamW(gem.parameters(), lr=1e-3), gem)
 
         def step(x, y):
-            opt.backward(loss_fn(gem(x), y))
+            opt.backward(lm_loss(gem(x), y))
             opt.step()
 
         t = _timed(step, batches)

@@ -18,9 +18,8 @@ from torch.utils.checkpoint import checkpoint
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches  # noqa: E402
-
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches  # noqa: E402
 
 
 class _CkptGPT(GPT):
@@ -36,7 +35,7 @@ class _CkptGPT(GPT):
 
 def _model(reentrant):
     torch.manual_seed(0)
-    model = _CkptGPT(GPTConfig())
+    model = _CkptGPT(GPTConfig(init="torch"))
     model.reentrant = reentrant
     return model
 
@@ -46,7 +45,7 @@ def _reference(batches, reentrant):
     init = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x, y in batches:
-        loss_fn(model(x), y).backward()
+        lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     return init, model.state_dict()
@@ -60,7 +59,7 @@ def _gemini(batches, init, reentrant, **kw):
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     for x, y in batches:
         b = x.shape[0] // world
-        opt.backward(loss_fn(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
+        opt.backward(lm_loss(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
         opt.step()
         assert all(c.pins == 0 and not c.in_use for c in gem.manager.chunks)  # nothing left pinned
     return gem.state_dict(), gem.stats_history
@@ -69,13 +68,13 @@ def _gemini(batches, init, reentrant, **kw):
 def _check(got, ref, skip_key_bias):
     for k, v in ref.items():
         if not (skip_key_bias and k.endswith("k_proj.bias")):
-            assert_tensor_close(got[k], v)
+            assert_close(got[k], v)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("budget", [10_000_000, 200_000], ids=["roomy", "tight"])
 def test_checkpointed_blocks_match_torch_on_one_rank(reentrant, budget):
-    batches = make_batches(4, batch=1, seq=8)
+    batches = random_batches(4, batch=1, seq=8)
     init, ref = _reference(batches, reentrant)
     got, stats = _gemini(batches, init, reentrant, device_memory_budget=budget, prefetch=0)
     _check(got, ref, skip_key_bias=False)
@@ -94,7 +93,7 @@ def _rank(batches, init, budget, prefetch):
 @pytest.mark.parametrize("shape", [(2, 8, 300_000), (4, 16, 600_000)], ids=["b2s8", "b4s16"])
 def test_non_reentrant_checkpointing_matches_torch_on_two_ranks_under_budget(shape, prefetch):
     batch, seq, budget = shape
-    batches = make_batches(3, batch=batch, seq=seq)
+    batches = random_batches(3, batch=batch, seq=seq)
     init, ref = _reference(batches, False)
     for got in run_distributed(_rank, 2, batches, init, budget, prefetch, timeout=120):
         _check(got, ref, skip_key_bias=True)

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn  # noqa: E402
-
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss  # noqa: E402
 
 STEPS, SKIP_STEP = 4, 2
 
@@ -48,12 +47,12 @@ def _batches():
 
 def _reference(batches):
     torch.manual_seed(0)
-    model = _SkipGPT(GPTConfig())
+    model = _SkipGPT(GPTConfig(init="torch"))
     init = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for s, per_rank in enumerate(batches):
         for x, y in per_rank:
-            (loss_fn(model(x, skip=s == SKIP_STEP), y) / len(per_rank)).backward()
+            (lm_loss(model(x, skip=s == SKIP_STEP), y) / len(per_rank)).backward()
         for p in model.parameters():  # the skipped block's parameters step with zero gradients, as in Gemini
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -63,13 +62,13 @@ def _reference(batches):
 
 
 def _rank(batches, init, budget, prefetch):
-    model = _SkipGPT(GPTConfig())
+    model = _SkipGPT(GPTConfig(init="torch"))
     model.load_state_dict(init)
     gem = GeminiDDP(model, device_memory_budget=budget, chunk_size=8192, prefetch=prefetch)
     opt = GeminiOptimizer(torch.optim.AdamW(gem.parameters(), lr=1e-2), gem)
     for s, per_rank in enumerate(batches):
         x, y = per_rank[dist.get_rank()]
-        opt.backward(loss_fn(gem(x, skip=s == SKIP_STEP), y))
+        opt.backward(lm_loss(gem(x, skip=s == SKIP_STEP), y))
         opt.step()
     return gem.state_dict(), max(st.peak_device_bytes for st in gem.stats_history)
 
@@ -83,4 +82,4 @@ def test_skipped_block_after_warmup_trains_within_a_tight_budget(budget, prefetc
         assert peak <= budget
         for k, v in ref.items():
             if not k.endswith("k_proj.bias"):
-                assert_tensor_close(state[k], v)
+                assert_close(state[k], v)

@@ -4,14 +4,15 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import make_batches, train_gemini, train_reference  # noqa: E402
+from gemini_helpers import reference_gpt_run, train_gemini  # noqa: E402
 
 import colossal.gemini as gemini  # noqa: E402
+from colossal.testkit import random_batches  # noqa: E402
 
 
 def test_observers_see_moves_and_samples_matching_stats():
-    batches = make_batches(3, batch=1, seq=8)
-    init, _, _ = train_reference(batches[:1])
+    batches = random_batches(3, batch=1, seq=8)
+    init, _, _ = reference_gpt_run(batches[:1])
     seen = []
     with gemini.register_observer(seen.append):
         gem, _ = train_gemini(batches, init, placement="auto", device_memory_budget=200_000)

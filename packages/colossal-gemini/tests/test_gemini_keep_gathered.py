@@ -19,9 +19,8 @@ from colossal.comm import CommCounter
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches  # noqa: E402
-
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches  # noqa: E402
 
 STEPS = 3
 CONFIGS = {  # name -> (device budget, optimizer, max_grad_norm)
@@ -37,11 +36,11 @@ def _optim(kind, params):
 
 def _reference(batches, kind, max_norm):
     torch.manual_seed(0)
-    ref = GPT(GPTConfig())
+    ref = GPT(GPTConfig(init="torch"))
     init = copy.deepcopy(ref.state_dict())
     opt = _optim(kind, ref.parameters())
     for x, y in batches:
-        loss_fn(ref(x), y).backward()
+        lm_loss(ref(x), y).backward()
         if max_norm:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         opt.step()
@@ -52,7 +51,7 @@ def _reference(batches, kind, max_norm):
 def _train(name, batches, init):
     budget, kind, max_norm = CONFIGS[name]
     torch.manual_seed(0)
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(init="torch"))
     model.load_state_dict(init)
     rank, world = dist.get_rank(), dist.get_world_size()
     gem = GeminiDDP(model, device_memory_budget=budget, chunk_size=8192, keep_gathered=True)
@@ -61,7 +60,7 @@ def _train(name, batches, init):
     for x, y in batches:
         b = x.shape[0] // world
         with CommCounter() as counter:
-            opt.backward(loss_fn(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
+            opt.backward(lm_loss(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
             opt.step()
         comms.append((dict(counter.nbytes), dict(counter.wire_bytes), [e.async_op for e in counter.events]))
     padded = sum(c.nbytes for c in gem.manager.chunks)
@@ -75,7 +74,7 @@ def _rank_fn(batches, inits):
 
 @pytest.fixture(scope="module")
 def runs():
-    batches = make_batches(STEPS, batch=2, seq=8)
+    batches = random_batches(STEPS, batch=2, seq=8)
     refs = {name: _reference(batches, kind, norm) for name, (_, kind, norm) in CONFIGS.items()}
     results = run_distributed(_rank_fn, 2, batches, {n: r[0] for n, r in refs.items()}, timeout=180)
     return {n: r[1] for n, r in refs.items()}, results
@@ -90,7 +89,7 @@ def test_keep_gathered_matches_single_process(runs, name):
             assert r["moved"][-1] > 0  # whole chunks were evicted and fetched back
         for k, v in refs[name].items():
             if not k.endswith("k_proj.bias"):
-                assert_tensor_close(r["state"][k], v)
+                assert_close(r["state"][k], v)
 
 
 def test_keep_gathered_communicates_one_all_reduce_per_chunk(runs):
@@ -106,4 +105,4 @@ def test_keep_gathered_communicates_one_all_reduce_per_chunk(runs):
 
 def test_keep_gathered_must_be_a_bool():
     with pytest.raises(ValueError, match="keep_gathered must be a bool"):
-        GeminiDDP(GPT(GPTConfig()), device_memory_budget=10_000_000, keep_gathered="yes")
+        GeminiDDP(GPT(GPTConfig(init="torch")), device_memory_budget=10_000_000, keep_gathered="yes")

@@ -20,8 +20,6 @@ import torch.distributed as dist
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches  # noqa: E402
-
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 from colossal.gemini.checkpoint import (  # noqa: E402
     load_optimizer_state_dict,
@@ -30,12 +28,13 @@ from colossal.gemini.checkpoint import (  # noqa: E402
     save_sharded,
 )
 from colossal.optim import Lamb, Lars  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches  # noqa: E402
 
 SAVE_AT, STEPS = 3, 5
 
 
 def _setup(kind, state):
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(init="torch"))
     model.load_state_dict(state)
     gem = GeminiDDP(model, device_memory_budget=10_000_000, chunk_size=8192)
     if kind == "lars":
@@ -49,7 +48,7 @@ def _steps(gem, opt, batches):
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     for x, y in batches:
         b = x.shape[0] // world
-        opt.backward(loss_fn(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
+        opt.backward(lm_loss(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
         opt.step()
 
 
@@ -82,9 +81,9 @@ def _run(fn, world, *args):
 @pytest.mark.parametrize("form", ["full", "sharded"])
 @pytest.mark.parametrize("worlds", [(1, 1), (2, 2), (2, 1), (1, 2)], ids=lambda w: f"{w[0]}to{w[1]}")
 def test_layerwise_optimizer_resumes_exactly(kind, form, worlds, tmp_path):
-    batches = make_batches(STEPS, batch=2, seq=8)
+    batches = random_batches(STEPS, batch=2, seq=8)
     torch.manual_seed(0)
-    init = copy.deepcopy(GPT(GPTConfig()).state_dict())
+    init = copy.deepcopy(GPT(GPTConfig(init="torch")).state_dict())
     path = str(tmp_path / "ckpt")
     (full, _), *_ = saved = _run(_save, worlds[0], kind, init, batches, path)
     ref = saved[0][1]
@@ -94,4 +93,4 @@ def test_layerwise_optimizer_resumes_exactly(kind, form, worlds, tmp_path):
     for got in _run(_resume, worlds[1], kind, init, batches, full if form == "full" else None, path):
         for k, v in ref.items():
             if worlds[0] == worlds[1] or not k.endswith("k_proj.bias"):
-                assert_tensor_close(got[k], v)
+                assert_close(got[k], v)

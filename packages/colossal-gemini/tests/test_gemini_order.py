@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, make_batches, train_gemini, train_reference  # noqa: E402
+from gemini_helpers import reference_gpt_run, train_gemini  # noqa: E402
 
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, random_batches  # noqa: E402
 
 WIDTH = 16
 LAYER = WIDTH * WIDTH + WIDTH  # elements of one Linear: one chunk each
@@ -53,14 +54,14 @@ def test_layers_are_packed_in_run_order_and_unused_ones_last():
 
 
 def test_training_with_first_use_order_matches_plain_torch_also_when_lazy():
-    batches = make_batches(2, batch=1, seq=8)
-    init, ref_state, _ = train_reference(batches)
+    batches = random_batches(2, batch=1, seq=8)
+    init, ref_state, _ = reference_gpt_run(batches)
     gem, _ = train_gemini(batches, init, device_memory_budget=200_000, example_inputs=(batches[0][0],))
     state = gem.state_dict()
     for k, v in ref_state.items():
-        assert_tensor_close(state[k], v)
+        assert_close(state[k], v)
     with torch.device("meta"):
-        lazy = GPT(GPTConfig())
+        lazy = GPT(GPTConfig(init="torch"))
     gem = GeminiDDP(
         lazy,
         device_memory_budget=200_000,

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import assert_tensor_close, make_batches, train_gemini, train_reference  # noqa: E402
+from gemini_helpers import reference_gpt_run, train_gemini  # noqa: E402
+
+from colossal.testkit import assert_close, random_batches  # noqa: E402
 
 STEPS = 4
 PRESSURE = 850_000  # bytes: below model states + activations (~1.6 MB), forces evictions every step
@@ -19,8 +21,8 @@ PRESSURE = 850_000  # bytes: below model states + activations (~1.6 MB), forces 
 
 @pytest.fixture(scope="module")
 def reference():
-    batches = make_batches(STEPS)
-    return (batches, *train_reference(batches))
+    batches = random_batches(STEPS)
+    return (batches, *reference_gpt_run(batches))
 
 
 @pytest.mark.parametrize(
@@ -37,7 +39,7 @@ def test_fp32_parity(reference, kwargs):
     gem, losses = train_gemini(batches, init, **kwargs)
     state = gem.state_dict()
     for k, v in ref_state.items():
-        assert_tensor_close(state[k], v)
+        assert_close(state[k], v)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     if kwargs["device_memory_budget"] < (1 << 20):
         assert all(s.bytes_moved > 0 for s in gem.stats_history[1:])  # real evictions in steady state
@@ -45,7 +47,7 @@ def test_fp32_parity(reference, kwargs):
 
 def test_bf16_loss_curve_within_one_percent(reference):
     batches, init, _, _ = reference
-    _, _, ref_losses = train_reference(batches, dtype=torch.bfloat16)
+    _, _, ref_losses = reference_gpt_run(batches, dtype=torch.bfloat16)
     gem, losses = train_gemini(
         batches, init, placement="auto", device_memory_budget=PRESSURE, mixed_precision=torch.bfloat16
     )
@@ -56,11 +58,10 @@ def test_bf16_loss_curve_within_one_percent(reference):
 
 
 def test_bf16_masters_start_from_the_unrounded_fp32_weights():
-    from gemini_gpt import GPT, GPTConfig
-
     from colossal.gemini import GeminiDDP
+    from colossal.testkit import GPT, GPTConfig
 
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(init="torch"))
     init = {k: v.clone() for k, v in model.state_dict().items()}
     gem = GeminiDDP(model, device_memory_budget=PRESSURE, chunk_size=8192, mixed_precision=torch.bfloat16)
     assert gem.module.wte.weight.dtype == torch.bfloat16

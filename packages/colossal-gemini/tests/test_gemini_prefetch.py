@@ -17,10 +17,11 @@ from colossal.comm import CommCounter
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn, make_batches, train_reference  # noqa: E402
+from gemini_helpers import reference_gpt_run  # noqa: E402
 
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
 from colossal.gemini.prefetch import plan_depths  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches  # noqa: E402
 
 STEPS = 3
 PRESSURE, ROOMY = 300_000, 10_000_000  # bytes of device budget
@@ -44,7 +45,7 @@ def _record(gem, log):
 
 def _train(budget, batches, init):
     torch.manual_seed(0)
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(init="torch"))
     model.load_state_dict(init)
     rank, world = dist.get_rank(), dist.get_world_size()
     gem = GeminiDDP(model, device_memory_budget=budget, chunk_size=8192, prefetch=2)
@@ -55,7 +56,7 @@ def _train(budget, batches, init):
         log.clear()
         b = x.shape[0] // world
         with CommCounter() as counter:
-            opt.backward(loss_fn(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
+            opt.backward(lm_loss(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
             opt.step()
         gathers = [(e.tag, e.async_op) for e in counter.events if e.op == "all_gather"]
         stats = gem.stats
@@ -70,8 +71,8 @@ def _rank_fn(batches, init):
 
 @pytest.fixture(scope="module")
 def runs():
-    batches = make_batches(STEPS, batch=2, seq=8)
-    init, ref_state, _ = train_reference(batches)
+    batches = random_batches(STEPS, batch=2, seq=8)
+    init, ref_state, _ = reference_gpt_run(batches)
     return ref_state, run_distributed(_rank_fn, 2, batches, init, timeout=180)
 
 
@@ -86,7 +87,7 @@ def test_prefetch_matches_single_process(runs, budget):
             assert sum(r["depths"]) < sum(per_rank[ROOMY]["depths"])  # the budget shortened some windows
         for k, v in ref_state.items():
             if not k.endswith("k_proj.bias"):
-                assert_tensor_close(r["state"][k], v)
+                assert_close(r["state"][k], v)
     assert results[0][budget]["depths"] == results[1][budget]["depths"]  # the same plan on every rank
 
 
@@ -121,4 +122,4 @@ def test_plan_depths_respects_fits_and_keeps_prefetched_chunks_until_use():
 @pytest.mark.parametrize("bad", [-1, True, 1.5])
 def test_prefetch_must_be_a_non_negative_int(bad):
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
-        GeminiDDP(GPT(GPTConfig()), device_memory_budget=ROOMY, prefetch=bad)
+        GeminiDDP(GPT(GPTConfig(init="torch")), device_memory_budget=ROOMY, prefetch=bad)

@@ -18,9 +18,8 @@ import torch.distributed as dist
 from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, assert_tensor_close, loss_fn  # noqa: E402
-
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss  # noqa: E402
 
 BUDGET = 600_000
 STEPS = 4
@@ -39,12 +38,12 @@ def _batches():
 
 def _reference(batches):
     torch.manual_seed(0)
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(init="torch"))
     init = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for per_rank in batches:
         for x, y in per_rank:
-            (loss_fn(model(x), y) / len(per_rank)).backward()
+            (lm_loss(model(x), y) / len(per_rank)).backward()
         opt.step()
         opt.zero_grad()
     return init, model.state_dict()
@@ -52,14 +51,14 @@ def _reference(batches):
 
 def _rank(batches, init, prefetch):
     torch.manual_seed(0)
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(init="torch"))
     model.load_state_dict(init)
     kw = dict(offload_param_frac=0.5, offload_optim_frac=0.5, device_memory_budget=BUDGET, prefetch=prefetch)
     gem = GeminiDDP(model, placement="static", chunk_size=8192, **kw)
     opt = GeminiOptimizer(torch.optim.AdamW(gem.parameters(), lr=1e-2), gem)
     for per_rank in batches:
         x, y = per_rank[dist.get_rank()]
-        opt.backward(loss_fn(gem(x), y))
+        opt.backward(lm_loss(gem(x), y))
         opt.step()
     depths = [len(a) for a in gem.prefetcher.ahead] if gem.prefetcher else []
     return gem.state_dict(), depths, max(s.peak_device_bytes for s in gem.stats_history)
@@ -75,6 +74,6 @@ def test_static_placement_with_prefetch_trains_where_prefetch_0_does(prefetch):
         assert depths == results[0][1]  # the same plan on every rank
         for k, v in ref.items():
             if not k.endswith("k_proj.bias"):
-                assert_tensor_close(state[k], v)
+                assert_close(state[k], v)
     if prefetch:
         assert any(results[0][1])  # something is still prefetched

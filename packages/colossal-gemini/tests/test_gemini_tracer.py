@@ -6,9 +6,10 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import make_batches, train_gemini, train_reference  # noqa: E402
+from gemini_helpers import reference_gpt_run, train_gemini  # noqa: E402
 
 from colossal.gemini import NonModelTracker  # noqa: E402
+from colossal.testkit import random_batches  # noqa: E402
 
 
 def test_tracker_counts_live_storages_once_and_skips_model_data():
@@ -31,8 +32,8 @@ def test_tracker_counts_live_storages_once_and_skips_model_data():
 
 
 def test_warmup_trace_has_every_forward_and_backward_operator():
-    batches = make_batches(2, batch=1, seq=8)
-    init, _, _ = train_reference(batches[:1])
+    batches = random_batches(2, batch=1, seq=8)
+    init, _, _ = reference_gpt_run(batches[:1])
     gem, _ = train_gemini(batches, init, placement="auto", device_memory_budget=10 << 20)
     labels = [op.label for op in gem.trace.ops]
     n_modules = 20  # wte, wpe, 2 x (ln_1, q, k, v, out, ln_2, fc_in, fc_out), ln_f, lm_head

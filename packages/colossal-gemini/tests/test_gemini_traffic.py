@@ -4,14 +4,16 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import make_batches, train_gemini, train_reference  # noqa: E402
+from gemini_helpers import reference_gpt_run, train_gemini  # noqa: E402
+
+from colossal.testkit import random_batches  # noqa: E402
 
 BUDGET = 250_000
 
 
 def test_auto_moves_no_more_than_static_and_stays_near_belady():
-    batches = make_batches(4, batch=1, seq=8)
-    init, _, _ = train_reference(batches[:1])
+    batches = random_batches(4, batch=1, seq=8)
+    init, _, _ = reference_gpt_run(batches[:1])
     auto, _ = train_gemini(batches, init, placement="auto", device_memory_budget=BUDGET)
     static, _ = train_gemini(
         batches, init, placement="static", device_memory_budget=BUDGET, offload_param_frac=1.0, offload_optim_frac=1.0

@@ -19,19 +19,14 @@ import copy
 import json
 import os
 import pathlib
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-
-from tp_gpt_reference import Block, GPTConfig  # noqa: E402
-
-from colossal.comm import CommCounter, Mesh  # noqa: E402
-from colossal.comm.testing import run_distributed  # noqa: E402
-from colossal.tensor_parallel import (  # noqa: E402
+from colossal.comm import CommCounter, Mesh
+from colossal.comm.testing import run_distributed
+from colossal.tensor_parallel import (
     Grid2D,
     Grid3D,
     apply_1d,
@@ -43,6 +38,7 @@ from colossal.tensor_parallel import (  # noqa: E402
     split_input_2d,
     split_input_3d,
 )
+from colossal.testkit import Block, GPTConfig  # the contract GPT of the tests (a bench sibling)
 
 BLOCK_PLAN = {k.removeprefix("blocks.*."): v for k, v in gpt_plan("1d").items() if k.startswith("blocks.*.")}
 

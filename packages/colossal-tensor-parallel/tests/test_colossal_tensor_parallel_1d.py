@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from tp_gpt_reference import Block, GPTConfig
-from tp_testing import assert_close, counted, param_bytes
+from tp_testing import counted, param_bytes
 
 from colossal.comm import CommCounter
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import apply_1d, gpt_plan
 from colossal.tensor_parallel import one_d as T
+from colossal.testkit import Block, GPTConfig, assert_close
 
 B, S, H, OUT, V = 2, 8, 16, 32, 32
 N = B * S

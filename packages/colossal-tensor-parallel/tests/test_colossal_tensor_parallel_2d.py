@@ -6,13 +6,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from tp_gpt_reference import GPT, Block, GPTConfig
 from tp_grid2d_checks import check_grid_layers
-from tp_testing import assert_close
 
 from colossal.comm import CommCounter, Mesh
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import Grid2D, apply_2d, gpt_plan, split_input_2d
+from colossal.testkit import GPT, Block, GPTConfig, assert_close
 
 
 def test_2d_layers_match_dense():

@@ -5,12 +5,12 @@ gradient over ``dep``), and the small GPT trains like dense on 8 ranks."""
 import pytest
 import torch.distributed as dist
 from test_colossal_tensor_parallel_gpt import _check_training
-from tp_gpt_reference import GPT, GPTConfig
 from tp_grid2d_checks import check_grid_layers
 
 from colossal.comm import Mesh
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import apply_2p5d, cross_entropy_2p5d, gpt_plan, grid_2p5d
+from colossal.testkit import GPT, GPTConfig
 
 
 def _layers_and_gpt(depth):

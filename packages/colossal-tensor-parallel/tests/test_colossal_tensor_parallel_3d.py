@@ -10,13 +10,13 @@ import pytest
 import torch
 from test_colossal_tensor_parallel_gpt import _check_training
 from torch import nn
-from tp_gpt_reference import GPT, GPTConfig
-from tp_testing import assert_close, counted, param_bytes
+from tp_testing import counted, param_bytes
 
 from colossal.comm import CommCounter, Mesh
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import gpt_plan
 from colossal.tensor_parallel import three_d as T3
+from colossal.testkit import GPT, GPTConfig, assert_close
 
 S, H, OUT, V = 8, 16, 32, 32
 F32 = 4

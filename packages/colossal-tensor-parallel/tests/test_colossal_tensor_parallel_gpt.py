@@ -6,8 +6,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from tp_gpt_reference import GPT, GPTConfig
-from tp_testing import assert_close, param_bytes
+from tp_testing import param_bytes
 
 from colossal.comm import Mesh, all_reduce
 from colossal.comm.testing import run_distributed
@@ -24,6 +23,7 @@ from colossal.tensor_parallel import (
     parallelize,
 )
 from colossal.tensor_parallel.sequence import all_reduce_gradients, apply_sequence, split_sequence
+from colossal.testkit import GPT, GPTConfig, assert_close, randomize_biases_
 
 CFG = dict(vocab_size=32, block_size=8, n_embd=16, n_layer=2, n_head=4)
 STEPS, LR = 3, 0.5
@@ -55,7 +55,7 @@ def _parallel_losses(model, batches, loss_fn):
 
 def _setup(batch, **overrides):
     torch.manual_seed(0)
-    dense = GPT(GPTConfig(**{**CFG, **overrides}))
+    dense = randomize_biases_(GPT(GPTConfig(**{**CFG, **overrides})))  # a dropped bias must show
     idx = torch.randint(0, CFG["vocab_size"], (batch, 8))
     batches = [(idx, torch.roll(idx, -1, dims=1))] * STEPS  # same batch: the loss must fall
     return dense, copy.deepcopy(dense), batches

@@ -1,9 +1,9 @@
 """Plans: pattern resolution, clear errors, the GPT plan covers the reference GPT."""
 
 import pytest
-from tp_gpt_reference import GPT, GPTConfig
 
 from colossal.tensor_parallel import Style, gpt_plan, parallelize, resolve_plan
+from colossal.testkit import GPT, GPTConfig
 
 
 def test_gpt_plan_resolves_every_pattern_on_the_reference_gpt():

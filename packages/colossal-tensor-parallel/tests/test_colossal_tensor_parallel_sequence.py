@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tp_gpt_reference import CausalSelfAttention, GPTConfig
-from tp_testing import assert_close, counted
+from tp_testing import counted
 
 from colossal.comm import CommCounter
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import sequence as S
+from colossal.testkit import CausalSelfAttention, GPTConfig, assert_close
 
 B, HEADS, T, D = 2, 4, 8, 4
 F32 = 4

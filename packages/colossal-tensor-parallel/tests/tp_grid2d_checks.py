@@ -8,10 +8,11 @@ all_reduce over ``dep`` (d > 1) ``out*in/q^2 + out/q^2``.
 
 import torch
 from torch import nn
-from tp_testing import assert_close, counted, param_bytes
+from tp_testing import counted, param_bytes
 
 from colossal.comm import CommCounter, Mesh
 from colossal.tensor_parallel import two_d as T2
+from colossal.testkit import assert_close
 
 S, H, OUT, V = 8, 16, 32, 32
 F32 = 4

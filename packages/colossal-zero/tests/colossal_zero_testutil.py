@@ -1,25 +1,30 @@
-"""Shared pieces of the colossal-zero tests: data, the single-process reference, rank functions."""
+"""Shared pieces of the colossal-zero tests: data, the single-process reference, rank functions.
+The model and the parity checks are colossal.testkit's (shared with the other suites)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from colossal_zero_gpt import GPT, GPTConfig
 
 from colossal.comm.testing import preload
+from colossal.testkit import GPT, GPTConfig, lm_loss, max_rel_err, train_reference
 from colossal.zero import ZeroOptimizer
 
 # Import these once in the harness's forkserver (before the first run of the session) so that no
 # rank pays for them; torch._dynamo and torch.optim are in the harness's default list already.
 preload("torch.distributed.checkpoint", "colossal.optim", "colossal.zero")
 
+__all__ = ["B", "T", "SIZES", "make_model", "make_optimizer", "global_batch", "loss_of", "reference"]
+__all__ += ["rank_batch", "train_zero", "max_rel_err", "run_cases"]
+
 B, T = 2, 8  # per-rank micro-batch, sequence length
+SIZES = dict(vocab_size=64, block_size=16, n_embd=16, n_head=2)
+"""This suite's GPT: smaller than the testkit's default (ZeRO's logic does not need width)."""
 
 
 def make_model(seed: int = 0, **cfg) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**cfg))
+    return GPT(GPTConfig(**{**SIZES, **cfg}))
 
 
 def make_optimizer(model, kind: str = "adamw", lr: float = 1e-2):
@@ -52,25 +57,15 @@ def global_batch(step: int, rows: int, vocab: int = 64) -> tuple[torch.Tensor, t
 
 
 def loss_of(model, x, y) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    """Next-token loss of ``model`` on ``(x, y)``."""
+    return lm_loss(model(x), y)
 
 
 def reference(steps: int, world: int, accum: int = 1, clip: float | None = None, kind: str = "adamw"):
     """Single-process training on the same global batches: (final state dict, losses)."""
     model = make_model()
-    opt = make_optimizer(model, kind)
-    losses = []
-    for step in range(steps):
-        x, y = global_batch(step, world * B * accum)
-        loss = loss_of(model, x, y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    batches = [global_batch(step, world * B * accum) for step in range(steps)]
+    return train_reference(model, make_optimizer(model, kind), batches, clip=clip)
 
 
 def rank_batch(step: int, micro: int, accum: int, world: int, rank: int):
@@ -102,18 +97,6 @@ def train_zero(steps: int, accum: int = 1, kind: str = "adamw", use_no_sync: boo
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return zero.full_model_state_dict(), losses
-
-
-def max_rel_err(got: dict, ref: dict) -> float:
-    """Worst per-tensor relative error. ``k_proj.bias`` is left out: its exact gradient is zero
-    (softmax is invariant to a per-query shift of the scores), so Adam normalises pure rounding
-    noise there and any two correct implementations disagree in it."""
-    worst = 0.0
-    for k, r in ref.items():
-        if k.endswith("k_proj.bias"):
-            continue
-        worst = max(worst, ((got[k].float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item())
-    return worst
 
 
 def run_cases(cases: list[dict]) -> list:

@@ -5,12 +5,12 @@ rank neither hang nor corrupt anything."""
 import pytest
 import torch
 import torch.distributed as dist
-from colossal_zero_gpt import Block
 from colossal_zero_testutil import B, loss_of, make_model, max_rel_err, rank_batch, reference, train_zero
 from torch import nn
 
 from colossal.comm import Mesh
 from colossal.comm.testing import run_distributed
+from colossal.testkit import Block
 from colossal.zero import ZeroOptimizer
 
 STEPS = 3

@@ -1,0 +1,38 @@
+"""colossal.testkit: what the Colossal test suites share, in one test-only package.
+
+* :mod:`colossal.testkit.gpt`: the small nanoGPT-style GPT of the cross-package contract (module
+  names ``wte``, ``wpe``, ``blocks.*.{ln_1, attn.{q,k,v,out}_proj, ln_2, mlp.{fc_in, fc_out}}``,
+  ``ln_f``, ``lm_head``), for the tests of packages that may not import ``colossalai``;
+* :mod:`colossal.testkit.parity`: per-tensor relative-error checks against a reference, and the
+  plain single-process PyTorch training run that parallel engines are compared with.
+
+Test-only: it is declared in the ``test`` extra of the packages that use it and never imported by
+any package's ``src/`` (``tools/check_arrows.py`` enforces both). It depends on torch alone.
+"""
+
+from colossal.testkit.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, randomize_biases_
+from colossal.testkit.parity import (
+    TOL,
+    assert_close,
+    lm_loss,
+    max_rel_err,
+    random_batches,
+    rel_err,
+    train_reference,
+)
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "randomize_biases_",
+    "TOL",
+    "rel_err",
+    "assert_close",
+    "max_rel_err",
+    "lm_loss",
+    "random_batches",
+    "train_reference",
+]
