@@ -102,11 +102,76 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
     return bad
 
 
+def _module_files(src: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for the modules (not the package ``__init__``) under ``src``."""
+    mods = {}
+    for path in sorted(src.rglob("*.py")):
+        if path.name != "__init__.py" and ".egg-info" not in str(path):
+            mods[".".join(path.relative_to(src).with_suffix("").parts)] = path
+    return mods
+
+
+def _module_imports(path: pathlib.Path) -> set[str]:
+    """Every absolute name a file imports, anywhere (top level, in functions, under
+    ``TYPE_CHECKING``), with ``from a import b`` giving both ``a`` and ``a.b``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_cycles(root: pathlib.Path = ROOT) -> list[list[str]]:
+    """Circles of imports between the modules of one package (``a`` imports ``b`` imports ...
+    ``a``), however the imports are made; the package ``__init__`` modules are left out (every
+    module reaches them). Each circle is listed once, as its modules in sorted order."""
+    cycles = []
+    for pyproject in sorted(root.glob("*/pyproject.toml")):
+        mods = _module_files(pyproject.parent / "src")
+        graph = {m: sorted(n for n in _module_imports(p) if n in mods and n != m) for m, p in mods.items()}
+        cycles += [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    return cycles
+
+
+def _strongly_connected(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph`` (node -> successors)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            out.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
 def main() -> int:
     bad = violations()
     for line in bad:
         print(line)
     print(f"import arrows: {len(bad)} violation(s)")
+    # Reported, not yet failing: colossal-zero's checkpoint <-> optimizer circle is being broken
+    # in parallel (issue 17); once it is, fold these into the exit status.
+    for cycle in import_cycles():
+        print("import circle: " + " <-> ".join(cycle))
     return 1 if bad else 0
 
 

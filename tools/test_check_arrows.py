@@ -44,5 +44,22 @@ def test_test_only_package_stays_out_of_src(tmp_path):
     assert "imports colossal.testkit.gpt of test-only colossal-testkit; only tests may" in text
 
 
+def test_import_circles_are_found_however_imported(tmp_path):
+    _package(tmp_path, "colossal-comm", "colossal.comm", [], "from colossal.comm.a import x\n")
+    src = tmp_path / "colossal-comm" / "src" / "colossal" / "comm"
+    (src / "a.py").write_text("def f():\n    from colossal.comm import b\n")  # lazy, by attribute
+    (src / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import colossal.comm.a\n")
+    (src / "c.py").write_text("from colossal.comm.a import f\n")  # one way only: no circle
+    assert check_arrows.import_cycles(tmp_path) == [["colossal.comm.a", "colossal.comm.b"]]
+    (src / "b.py").write_text("")
+    assert check_arrows.import_cycles(tmp_path) == []
+
+
+def test_comm_has_no_import_circle():
+    """issue 17: colossal.comm.mesh <-> colossal.comm.layouts."""
+    comm = [c for c in check_arrows.import_cycles() if c[0].startswith("colossal.comm.")]
+    assert comm == []
+
+
 def test_the_repository_itself_is_clean():
     assert check_arrows.violations() == []
