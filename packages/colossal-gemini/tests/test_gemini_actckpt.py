@@ -19,7 +19,7 @@ from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
-from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches, train_reference  # noqa: E402
 
 
 class _CkptGPT(GPT):
@@ -43,12 +43,8 @@ def _model(reentrant):
 def _reference(batches, reentrant):
     model = _model(reentrant)
     init = copy.deepcopy(model.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in batches:
-        lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return init, model.state_dict()
+    final, _ = train_reference(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches)
+    return init, final
 
 
 def _gemini(batches, init, reentrant, **kw):

@@ -20,7 +20,7 @@ from colossal.comm.testing import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
-from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches  # noqa: E402
+from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batches, train_reference  # noqa: E402
 
 STEPS = 3
 CONFIGS = {  # name -> (device budget, optimizer, max_grad_norm)
@@ -38,14 +38,8 @@ def _reference(batches, kind, max_norm):
     torch.manual_seed(0)
     ref = GPT(GPTConfig(init="torch"))
     init = copy.deepcopy(ref.state_dict())
-    opt = _optim(kind, ref.parameters())
-    for x, y in batches:
-        lm_loss(ref(x), y).backward()
-        if max_norm:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-    return init, ref.state_dict()
+    final, _ = train_reference(ref, _optim(kind, ref.parameters()), batches, clip=max_norm or None)
+    return init, final
 
 
 def _train(name, batches, init):

@@ -19,7 +19,7 @@ from colossal.optim import Lamb, Lars, group_norm_reducer
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from colossal.gemini import GeminiDDP, GeminiOptimizer  # noqa: E402
-from colossal.testkit import GPT, TOL, GPTConfig, lm_loss, max_rel_err, random_batches  # noqa: E402
+from colossal.testkit import GPT, TOL, GPTConfig, lm_loss, max_rel_err, random_batches, train_reference  # noqa: E402
 
 STEPS = 3
 CONFIGS = {  # name -> (optimizer, device budget, keep_gathered)
@@ -39,12 +39,8 @@ def _reference(batches, kind):
     torch.manual_seed(0)
     ref = GPT(GPTConfig(init="torch"))
     init = copy.deepcopy(ref.state_dict())
-    opt = _optim(kind, ref.parameters())
-    for x, y in batches:
-        lm_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return init, ref.state_dict()
+    final, _ = train_reference(ref, _optim(kind, ref.parameters()), batches)
+    return init, final
 
 
 def _train(name, batches, init):
