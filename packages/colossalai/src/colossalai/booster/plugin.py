@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from colossalai.booster.precision import Precision
-from colossalai.checkpoint.slices import aliases, fill_state, pieces_from_state
+from colossalai.checkpoint.slices import aliases, fill_state, model_entries, pieces_from_state
 from colossalai.data.dataset import ResumableDistributedSampler
 
 __all__ = ["Plugin", "world_size", "world_rank", "param_names", "rebind_optimizer", "materialize_optimizer_state"]
@@ -137,9 +137,17 @@ class Plugin(abc.ABC):
         optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
         return pieces_from_state(self.model_state_dict(model), optim_sd, aliases(self.unwrap(model)))
 
+    def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``model/<name> -> (logical shape, dtype name)`` of every model entry a checkpoint holds
+        (parameters and persistent buffers, tied names once): recorded at save, checked at load
+        ([Note: strict loading] in :mod:`colossalai.checkpoint.entries`). Default: from
+        :meth:`model_state_dict` (a DTensor has its global shape)."""
+        return model_entries(self.model_state_dict(model), aliases(self.unwrap(model)))
+
     def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
         """Load model (and optimizer) from a :class:`~colossalai.checkpoint.SliceReader`, reading
-        only the pieces overlapping this rank's tensors. Default: fills the templates of
+        only the pieces overlapping this rank's tensors and leaving ``reader.skip`` (a non-strict
+        load's missing entries) alone. Default: fills the templates of
         :meth:`model_state_dict` / :meth:`optimizer_state_dict`, then loads them."""
         model_sd = self.model_state_dict(model)
         optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
