@@ -26,7 +26,6 @@ from colossalai.booster.precision import Precision, parse_precision
 from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer
 from colossalai.checkpoint import (
     DEFAULT_ARRIVAL_TIMEOUT,
-    RUN_FILE,
     IncompatibleEntries,
     atomic_checkpoint_dir,
     check_all_ranks_arrive,
@@ -35,7 +34,7 @@ from colossalai.checkpoint import (
     read_rng,
     resolve_checkpoint,
     restore_rng,
-    save_rng,
+    save_run_files,
     save_safetensors_folder,
     save_sharded,
 )
@@ -200,9 +199,8 @@ class Booster:
         name = name or f"step-{state.step:08d}"
         with atomic_checkpoint_dir(root, name) as tmp:
             save_sharded(tmp, self.plugin, model.module, optimizer.unwrap())
-            save_rng(tmp)
-            if world_rank() == 0:
-                torch.save(self._run_payload(optimizer, lr_scheduler, state), tmp / RUN_FILE)
+            payload = self._run_payload(optimizer, lr_scheduler, state) if world_rank() == 0 else None
+            save_run_files(tmp, payload)
         return pathlib.Path(root) / name
 
     def _run_payload(self, optimizer, lr_scheduler, state: RunState) -> dict:

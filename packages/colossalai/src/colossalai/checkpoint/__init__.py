@@ -13,6 +13,7 @@ from colossalai.checkpoint.run_state import (
     read_rng,
     restore_rng,
     save_rng,
+    save_run_files,
 )
 from colossalai.checkpoint.safetensors_io import INDEX_NAME, load_safetensors_folder, save_safetensors_folder
 from colossalai.checkpoint.sharded import load_sharded, save_sharded
@@ -32,6 +33,7 @@ __all__ = [
     "capture_rng",
     "restore_rng",
     "save_rng",
+    "save_run_files",
     "load_rng",
     "read_rng",
     "load_run_file",

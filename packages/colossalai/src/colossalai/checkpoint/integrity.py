@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from colossalai.checkpoint.errors import CheckpointError, unreadable
 
-__all__ = ["write_checksums", "verify_files", "load_file_checked", "CHECKSUM_DIR"]
+__all__ = ["write_checksums", "write_dcp_checksums", "verify_files", "load_file_checked", "CHECKSUM_DIR"]
 
 CHECKSUM_DIR = "checksums"
 """Folder (inside the DCP directory) of the per-rank checksum files."""
@@ -39,17 +39,21 @@ def _crc(path: pathlib.Path) -> int:
     return crc
 
 
-def write_checksums(dcp_dir: str | os.PathLike, rank: int) -> None:
-    """Record size and CRC-32 of the DCP files ``rank`` wrote (rank 0: also ``.metadata``)."""
-    dcp_dir = pathlib.Path(dcp_dir)
-    names = sorted(p.name for p in dcp_dir.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        names.append(".metadata")
-    table = {n: {"size": (dcp_dir / n).stat().st_size, "crc32": _crc(dcp_dir / n)} for n in names}
-    (dcp_dir / CHECKSUM_DIR).mkdir(exist_ok=True)
-    tmp = dcp_dir / CHECKSUM_DIR / f".rank{rank}.json.tmp"
+def write_checksums(folder: str | os.PathLike, names: Iterable[str], rank: int) -> None:
+    """Record size and CRC-32 of the files ``names`` (relative to ``folder``) that ``rank`` wrote,
+    in ``folder/checksums/rank<r>.json``."""
+    folder = pathlib.Path(folder)
+    table = {n: {"size": (folder / n).stat().st_size, "crc32": _crc(folder / n)} for n in names}
+    (folder / CHECKSUM_DIR).mkdir(exist_ok=True)
+    tmp = folder / CHECKSUM_DIR / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(table, sort_keys=True))
-    os.replace(tmp, dcp_dir / CHECKSUM_DIR / f"rank{rank}.json")
+    os.replace(tmp, folder / CHECKSUM_DIR / f"rank{rank}.json")
+
+
+def write_dcp_checksums(dcp_dir: str | os.PathLike, rank: int) -> None:
+    """Record the DCP files ``rank`` wrote (``__<rank>_<n>.distcp``; rank 0 also ``.metadata``)."""
+    names = sorted(p.name for p in pathlib.Path(dcp_dir).glob(f"__{rank}_*.distcp"))
+    write_checksums(dcp_dir, names + [".metadata"] if rank == 0 else names, rank)
 
 
 def _recorded(dcp_dir: pathlib.Path) -> dict[str, dict]:
@@ -82,11 +86,14 @@ def verify_files(dcp_dir: str | os.PathLike, names: Iterable[str], min_sizes: di
             raise unreadable(path, "the checkpoint file", ValueError("its CRC-32 differs from the one saved"))
 
 
-def load_file_checked(path: str | os.PathLike, what: str, load: Callable):
+def load_file_checked(path: str | os.PathLike, what: str, load: Callable, root: str | os.PathLike | None = None):
     """``load(path)``, with any failure to read or decode it raised as a :class:`CheckpointError`
-    naming ``path`` (``what`` says which kind of file it is)."""
+    naming ``path`` (``what`` says which kind of file it is); first verified against the checksums
+    recorded under ``root`` (the folder ``path`` is relative to), when given."""
     if not pathlib.Path(path).is_file():
         raise CheckpointError(f"{what} {str(path)!r} is missing: the checkpoint is incomplete", path)
+    if root is not None:
+        verify_files(root, [pathlib.Path(path).relative_to(root).as_posix()])
     try:
         return load(path)
     except CheckpointError:

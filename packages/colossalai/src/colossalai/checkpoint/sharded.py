@@ -19,7 +19,7 @@ from torch import nn
 
 from colossalai.checkpoint.entries import ENTRIES_PREFIX, compare_entries, entries_blob
 from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompatibleEntries
-from colossalai.checkpoint.integrity import write_checksums
+from colossalai.checkpoint.integrity import write_dcp_checksums
 from colossalai.checkpoint.slices import SliceReader
 
 __all__ = ["save_sharded", "load_sharded", "check_fits", "DCP_SUBDIR"]
@@ -50,7 +50,7 @@ def save_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=
         pieces = plugin.checkpoint_pieces(model, optimizer)
         pieces[f"{ENTRIES_PREFIX}{_rank()}"] = entries_blob(plugin.checkpoint_entries(model), pieces)
         dcp.save(pieces, checkpoint_id=str(path))
-        write_checksums(path, _rank())
+        write_dcp_checksums(path, _rank())
 
 
 def check_fits(reader: SliceReader, plugin, model: nn.Module, optimizer=None, *, strict: bool = True):
