@@ -9,6 +9,7 @@ Tolerance: 1e-5 relative on losses and buffers (fp32; the engines' reduction ord
 the single process by a few ulps).
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -108,3 +109,51 @@ def test_every_plugin_loads_every_plugins_checkpoint(tmp_path):
         if not torch.allclose(torch.tensor(values), ref, rtol=1e-5, atol=1e-7):
             wrong.append(f"{pair[0]} -> {pair[1]}: {values} (uninterrupted: {ref.tolist()})")
     assert not wrong, "\n".join(wrong)
+
+
+# -- the hybrid plugin applies its GPT plan to every model: its pairs run on the tiny GPT, with a
+# 0-dim buffer counting forwards (a step counter the way users keep one) ---------------------------
+HYBRID = {"hybrid": {"tp_size": 2}, **PLUGINS}
+PAIRS = [("hybrid", p) for p in HYBRID if p != "hybrid"] + [(p, "hybrid") for p in HYBRID if p != "hybrid"]
+
+
+def _count_forward(module, args) -> None:
+    module.forwards.add_(1)
+
+
+def _gpt_setup(spec: str):
+    from colossalai_harness import GLOBAL_BATCH, criterion, dataset, make_model_and_optim
+
+    torch.manual_seed(0)
+    plugin = make_plugin("zero" if spec.startswith("zero") else spec, **HYBRID[spec])
+    booster = Booster(plugin=plugin)
+    model, optim = make_model_and_optim()
+    model.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+    model.register_forward_pre_hook(_count_forward)
+    loader = booster.prepare_dataloader(dataset(), GLOBAL_BATCH // plugin.dp_size(), seed=0)
+    model, optim, _, loader, _ = booster.boost(model, optim, criterion, loader)
+    return booster, model, optim, loader
+
+
+def gpt_pair(saver: str, loader_spec: str, root: str):
+    from colossalai_harness import GLOBAL_BATCH, boosted_losses
+
+    from colossalai import RunState
+
+    booster, model, optim, loader = _gpt_setup(saver)
+    before = boosted_losses(booster, model, optim, loader, SAVE_AT)
+    booster.save_run(root, model, optim, state=RunState(step=SAVE_AT, consumed_samples=SAVE_AT * GLOBAL_BATCH))
+    booster, model, optim, loader = _gpt_setup(loader_spec)
+    state = booster.load_run(root, model, optim, dataloader=loader)
+    forwards = int(booster.plugin.unwrap(model.module).forwards)
+    after = boosted_losses(booster, model, optim, loader, SAVE_AT + 1, start=state.step)
+    return before + after, forwards
+
+
+@pytest.mark.parametrize("saver,loader", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+def test_hybrid_pairs_on_gpt_with_a_0dim_buffer(tmp_path, saver, loader):
+    from colossalai_harness import reference_losses
+
+    losses, forwards = run_distributed(gpt_pair, 2, saver, loader, str(tmp_path), timeout=240)[0]
+    assert forwards == SAVE_AT, forwards
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses(SAVE_AT + 1)), rtol=1e-5, atol=0)

@@ -78,26 +78,51 @@ def model_state_dict(ddp) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model_state_dict(ddp, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state (from :func:`model_state_dict` or a plain module) into masters and working data."""
+def _check_full(ddp, state: dict, strict: bool):
+    """torch's ``load_state_dict`` rules: missing/unexpected keys are an error when ``strict``
+    (returned otherwise), a shape mismatch always is; all listed in one RuntimeError."""
+    expected = {n: tuple(p.shape) for n, p in ddp.module.named_parameters(remove_duplicate=False)}
+    expected.update({n: tuple(b.shape) for n, b in _buffers(ddp.module)})
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [
+        f"size mismatch for {k}: copying a param with shape {tuple(state[k].shape)}, "
+        f"the shape in current model is {shape}"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != shape
+    ]
+    errors = mismatched + (
+        [f"Missing key(s): {missing}"] * bool(missing) + [f"Unexpected key(s): {unexpected}"] * bool(unexpected)
+        if strict
+        else []
+    )
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for GeminiDDP:\n\t" + "\n\t".join(errors))
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = True):
+    """Load a full state (from :func:`model_state_dict` or a plain module) into masters, working data
+    and buffers; strict like ``torch.nn.Module.load_state_dict`` (checked before anything changes).
+    Returns torch's ``_IncompatibleKeys``."""
+    result = _check_full(ddp, state, strict)
     m, names = ddp.manager, _names(ddp)
     for chunk in m.chunks:
         lo, hi = chunk.shard_range(m.rank)
         full = torch.zeros(chunk.size, dtype=torch.float32)
+        full[lo:hi] = chunk.master.detach().cpu()  # a non-strict load keeps what the state lacks
         for info in chunk.tensors:
-            key = names[info.param][0]
-            if key not in state:
-                raise ValueError(f"state dict is missing {key!r}")
-            value = state[key]
-            if tuple(value.shape) != tuple(info.param.shape):
-                raise ValueError(f"{key}: expected shape {tuple(info.param.shape)}, got {tuple(value.shape)}")
-            full[info.offset : info.offset + info.numel] = value.reshape(-1).float()
+            key = next((n for n in names[info.param] if n in state), None)
+            if key is not None:
+                full[info.offset : info.offset + info.numel] = state[key].reshape(-1).float()
         with torch.no_grad():
             chunk.master.copy_(full[lo:hi])
             m.refresh_working(chunk)
-    for n, b in _buffers(ddp.module):
-        if n in state:
-            b.copy_(state[n])
+    with torch.no_grad():
+        for n, b in _buffers(ddp.module):
+            if n in state:
+                b.copy_(state[n])
+    return result
 
 
 def _state_keys(optim) -> list[str]:

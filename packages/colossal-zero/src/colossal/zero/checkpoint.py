@@ -108,18 +108,50 @@ def _publish(zero: ZeroOptimizer) -> None:
         zero._publish_params()
 
 
-def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.Tensor]) -> None:
-    """Scatter a plain model state dict into the masters and working parameters."""
+def _check_full(zero: ZeroOptimizer, state_dict: dict, strict: bool):
+    """torch's ``load_state_dict`` rules: missing/unexpected keys are an error when ``strict``
+    (returned otherwise), a shape mismatch always is; all listed in one RuntimeError."""
+    expected = zero.module.state_dict(keep_vars=True)  # tied names included, like torch
+    shapes = {id(p): tuple(s) for flat in zero.flats for p, s in zip(flat.params, flat.shapes, strict=True)}
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [
+        f"size mismatch for {k}: copying a param with shape {tuple(state_dict[k].shape)}, "
+        f"the shape in current model is {shapes.get(id(t), tuple(t.shape))}"
+        for k, t in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != shapes.get(id(t), tuple(t.shape))
+    ]
+    errors = mismatched + (
+        [f"Missing key(s): {missing}"] * bool(missing) + [f"Unexpected key(s): {unexpected}"] * bool(unexpected)
+        if strict
+        else []
+    )
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for ZeroOptimizer:\n\t" + "\n\t".join(errors))
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.Tensor], strict: bool = True):
+    """Scatter a plain model state dict into the masters, working parameters and buffers; strict
+    like ``torch.nn.Module.load_state_dict`` (checked before anything changes). Returns torch's
+    ``_IncompatibleKeys`` (what a non-strict load skipped)."""
+    result = _check_full(zero, state_dict, strict)
     for flat in zero.flats:
         full32 = torch.zeros(flat.padded_numel, dtype=torch.float32)
-        for name, off, n, shape in zip(flat.names, flat.offsets, flat.numels, flat.shapes, strict=True):
-            if name not in state_dict:
-                raise ValueError(f"state_dict has no entry {name!r} (a parameter of the model)")
-            if tuple(state_dict[name].shape) != tuple(shape):
-                raise ValueError(f"state_dict[{name!r}] has shape {tuple(state_dict[name].shape)}, expected {shape}")
-            full32[off : off + n].copy_(state_dict[name].reshape(-1))
-        _values(flat).copy_(flat.local(full32))
+        present = torch.zeros(flat.padded_numel, dtype=torch.bool)
+        for name, off, n in zip(flat.names, flat.offsets, flat.numels, strict=True):
+            if name in state_dict:
+                full32[off : off + n].copy_(state_dict[name].reshape(-1))
+                present[off : off + n] = True
+        values = _values(flat)
+        values.copy_(torch.where(flat.local(present).to(values.device), flat.local(full32).to(values.device), values))
+    managed = {id(p) for flat in zero.flats for p in flat.params}
+    with torch.no_grad():
+        for name, t in _unmanaged(zero, managed):
+            if name in state_dict:
+                t.copy_(state_dict[name])
     _publish(zero)
+    return result
 
 
 def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> None:

@@ -349,11 +349,12 @@ class ZeroOptimizer:
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.full_optimizer_state_dict(self)
 
-    def load_full_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a plain (unsharded) model state dict into the shards and working parameters.
+    def load_full_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Load a plain (unsharded) model state dict into the shards, working parameters and
+        buffers, strict like ``torch.nn.Module.load_state_dict`` (returns its ``_IncompatibleKeys``).
         Every rank calls it with the full dict (stages 1/2 re-gather the parameters: collective)."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
-        checkpoint.load_full_model_state_dict(self, state_dict)
+        return checkpoint.load_full_model_state_dict(self, state_dict, strict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain optimizer state dict (as :meth:`state_dict` or ``torch.optim`` writes it);
