@@ -104,7 +104,7 @@ class GeminiPlugin(Plugin):
         self.model.load_state_dict(state)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full model on every rank."""
+        """Full model on every rank. Collective (gathers): every rank calls it."""
         return self.model.state_dict()
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:

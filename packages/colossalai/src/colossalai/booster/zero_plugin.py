@@ -96,7 +96,7 @@ class ZeroPlugin(Plugin):
 
     # ---- state: gathered, name-keyed (see the module note) ---------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict:
-        """Full fp32 parameters (and buffers) keyed by name."""
+        """Full fp32 parameters (and buffers) keyed by name. Collective (gathers): every rank calls it."""
         return self.engine.full_model_state_dict()
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
@@ -104,7 +104,7 @@ class ZeroPlugin(Plugin):
         self.engine.load_full_model_state_dict(state)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full model on every rank (rank 0 writes exports)."""
+        """Full model on every rank (rank 0 writes exports). Collective: every rank calls it."""
         return self.engine.full_model_state_dict()
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:

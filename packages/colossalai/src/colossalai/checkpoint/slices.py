@@ -160,6 +160,7 @@ class SliceReader:
             if head and start.isdigit() and len(getattr(m, "size", ())) == 1:
                 self.pieces.setdefault(head, []).append((int(start), m.size[0], key))
         self.skip: set[str] = set()
+        self._verified: set[str] = set()  # files checked once per reader
         self.read_keys: list[str] = []
         self.read_numel = 0
 
@@ -200,9 +201,10 @@ class SliceReader:
         """Check the files holding ``keys`` before DCP reads them (they must reach each piece's end)."""
         wanted, ends = set(keys), {}
         for index, info in self._storage.items():
-            if index.fqn in wanted:
+            if index.fqn in wanted and info.relative_path not in self._verified:
                 ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         verify_files(self.path, ends, ends)
+        self._verified.update(ends)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill ``tensors`` (keys of this checkpoint) in place: one ``dcp.load``, collective."""
