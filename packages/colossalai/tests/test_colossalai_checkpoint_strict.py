@@ -113,3 +113,35 @@ def test_strict_load(tmp_path, spec, with_optimizer):
         assert "model/1.weight: checkpoint (6, 4) float32, model (4, 6) float32" in r["shape_error"], r["shape_error"]
     if with_optimizer:
         assert "optim/2.weight/exp_avg" in results[0]["unexpected"], results[0]["unexpected"]
+
+
+def _bn_setup(seed: int):
+    torch.manual_seed(seed)
+    booster = Booster(plugin=make_plugin("ddp"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optim, *_ = booster.boost(model, optim)
+    booster.backward(model(torch.randn(6, 4)).sum(), optim)
+    optim.step()
+    return booster, model, optim
+
+
+def test_model_only_checkpoint_into_load_optimizer_says_so(tmp_path):
+    booster, model, optim = _bn_setup(0)
+    ckpt = booster.save_model(model, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="model-only checkpoint"):
+        booster.load_optimizer(optim, ckpt)
+
+
+def test_checkpoint_of_the_older_layout_still_loads(tmp_path):
+    """Before: ZeRO/Gemini wrote a 0-dim buffer as a 1-element ``@0`` piece and no entry table."""
+    import torch.distributed.checkpoint as dcp
+
+    booster, model, optim = _bn_setup(0)
+    pieces = booster.plugin.checkpoint_pieces(model.module, optim.unwrap())
+    pieces["model/1.num_batches_tracked@0"] = pieces.pop("model/1.num_batches_tracked").reshape(1)
+    dcp.save(pieces, checkpoint_id=str(tmp_path / "old" / "dcp"), no_dist=True)
+    booster2, model2, optim2 = _bn_setup(1)
+    booster2.load_optimizer(optim2, tmp_path / "old")
+    saved, loaded = (b.plugin.unwrap(m.module).state_dict() for b, m in ((booster, model), (booster2, model2)))
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved) and int(loaded["1.num_batches_tracked"]) == 1

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from colossalai.checkpoint.entries import ENTRIES_PREFIX, Entry, entry_of_key
-from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, unreadable
+from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompatibleEntries, unreadable
 from colossalai.checkpoint.integrity import verify_files
 
 __all__ = [
@@ -254,8 +254,6 @@ class SliceReader:
     def groups(self) -> list[dict]:
         """The saved optimizer hyperparameters (CheckpointMismatchError for a model-only checkpoint)."""
         if GROUPS_KEY not in self.metadata:
-            from colossalai.checkpoint.errors import IncompatibleEntries
-
             raise CheckpointMismatchError(
                 self.path,
                 IncompatibleEntries([GROUPS_KEY], [], []),
