@@ -145,3 +145,38 @@ def test_checkpoint_of_the_older_layout_still_loads(tmp_path):
     booster2.load_optimizer(optim2, tmp_path / "old")
     saved, loaded = (b.plugin.unwrap(m.module).state_dict() for b, m in ((booster, model), (booster2, model2)))
     assert all(torch.equal(saved[k], loaded[k]) for k in saved) and int(loaded["1.num_batches_tracked"]) == 1
+
+
+def hybrid_cases(root: str) -> dict:
+    """The hybrid plugin applies its GPT plan, so its case runs on the tiny GPT (tp=2)."""
+    from colossalai.models import build_gpt
+
+    def boost(**cfg):
+        booster = Booster(plugin=make_plugin("hybrid", tp_size=2))
+        model = build_gpt("tiny", seed=0, **cfg)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optim, *_ = booster.boost(model, optim)
+        return booster, model, optim
+
+    out = {}
+    b3, m3, o3 = boost(n_layer=3)
+    b3.save_optimizer(o3, root, name="three")
+    b2, m2, o2 = boost(n_layer=2)
+    for entry, load in (("model", lambda **kw: b2.load_model(m2, f"{root}/three", **kw)),
+                        ("optimizer", lambda **kw: b2.load_optimizer(o2, f"{root}/three", **kw))):  # fmt: skip
+        with pytest.raises(CheckpointMismatchError) as err:
+            load()
+        out[entry] = str(err.value), load(strict=False).unexpected
+    bw, mw, ow = boost(n_layer=2, block_size=32)  # wpe (32, 32) against the saved (64, 32)
+    with pytest.raises(CheckpointMismatchError) as err:
+        bw.load_model(mw, f"{root}/three", strict=False)
+    out["shape"] = str(err.value)
+    return out
+
+
+def test_strict_load_hybrid(tmp_path):
+    for r in run_distributed(hybrid_cases, 2, str(tmp_path), timeout=240):
+        for message, unexpected in (r["model"], r["optimizer"]):
+            assert "unexpected: model/blocks.2.attn" in message, message
+            assert "model/blocks.2.mlp.fc_in.weight" in unexpected, unexpected
+        assert "model/wpe.weight: checkpoint (64, 32) float32, model (32, 32) float32" in r["shape"], r["shape"]
