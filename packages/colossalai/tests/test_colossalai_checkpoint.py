@@ -70,10 +70,10 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     booster.save_run(tmp_path, model, optim, state=RunState(step=1, consumed_samples=GLOBAL_BATCH))
     boosted_losses(booster, model, optim, loader, 2, start=1)
 
-    def crash(folder):
+    def crash(folder, payload):
         raise KeyboardInterrupt("killed mid-save")
 
-    monkeypatch.setattr(booster_module, "save_rng", crash)
+    monkeypatch.setattr(booster_module, "save_run_files", crash)
     with pytest.raises(KeyboardInterrupt):
         booster.save_run(tmp_path, model, optim, state=RunState(step=2, consumed_samples=2 * GLOBAL_BATCH))
     monkeypatch.undo()

@@ -7,7 +7,7 @@ Wrap the model (:class:`GeminiDDP`) and the optimizer (:class:`GeminiOptimizer`)
     loss = loss_fn(model(x), y); optim.backward(loss); optim.step()
 """
 
-from colossal.gemini.checkpoint import load_sharded_state_dict, sharded_state_dict
+from colossal.gemini.checkpoint import load_sharded_state_dict, sharded_entries, sharded_state_dict
 from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
 from colossal.gemini.chunk_manager import ChunkManager, pack, search_chunk_size
 from colossal.gemini.config import GeminiConfig
@@ -52,4 +52,5 @@ __all__ = [
     "register_observer",
     "search_chunk_size",
     "sharded_state_dict",
+    "sharded_entries",
 ]

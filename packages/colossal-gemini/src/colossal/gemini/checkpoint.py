@@ -10,7 +10,9 @@ which makes it independent of chunk layout and world size.
 The sharded form is the stack's flat-slice format (the same as ``colossal.zero``'s and every
 ``colossalai`` Booster plugin's): each rank writes its master slices as 1-D fp32 pieces
 ``model/<name>@<first element>``, its optimizer-state slices as ``optim/<name>/<key>@<first element>``
-and scalar states as ``optim/<name>/<key>`` (buffers: whole ``model/<name>@0``). A checkpoint saved
+and scalar states as ``optim/<name>/<key>`` (persistent buffers: whole ``model/<name>@0``; a 0-dim
+one, BatchNorm's ``num_batches_tracked``, as ``model/<name>`` like every writer of the format, and
+a 1-element ``@0`` piece of older checkpoints still loads). A checkpoint saved
 on N ranks by any writer loads on M ranks with any chunk size: each rank reads the metadata and
 then exactly the pieces overlapping its slices (:func:`load_sharded_state_dict`).
 """
@@ -32,7 +34,18 @@ __all__ = [
     "load_sharded",
     "sharded_state_dict",
     "load_sharded_state_dict",
+    "sharded_entries",
 ]
+
+
+def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a ``state_dict`` holds (``register_buffer(..., persistent=False)`` ones are not)."""
+    out = []
+    for mod_name, mod in module.named_modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, b))
+    return out
 
 
 def _gather(manager, shard: torch.Tensor) -> torch.Tensor:
@@ -51,7 +64,8 @@ def _names(ddp) -> dict[torch.nn.Parameter, list[str]]:
 
 
 def model_state_dict(ddp) -> dict[str, torch.Tensor]:
-    """Gathered fp32 parameters (and the module's buffers) under the module's names; collective."""
+    """Gathered fp32 parameters (and the module's persistent buffers) under the module's names.
+    Collective (an all-gather per chunk): call on every rank, not only on the one that writes."""
     m, names, out = ddp.manager, _names(ddp), {}
     for chunk in m.chunks:
         full = _gather(m, chunk.master)
@@ -59,31 +73,56 @@ def model_state_dict(ddp) -> dict[str, torch.Tensor]:
             value = full[info.offset : info.offset + info.numel].view(info.param.shape).clone()
             for n in names[info.param]:
                 out[n] = value
-    for n, b in ddp.module.named_buffers():
+    for n, b in _buffers(ddp.module):
         out[n] = b.detach().cpu().clone()
     return out
 
 
-def load_model_state_dict(ddp, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state (from :func:`model_state_dict` or a plain module) into masters and working data."""
+def _check_full(ddp, state: dict, strict: bool):
+    """torch's ``load_state_dict`` rules: missing/unexpected keys are an error when ``strict``
+    (returned otherwise), a shape mismatch always is; all listed in one RuntimeError."""
+    expected = {n: tuple(p.shape) for n, p in ddp.module.named_parameters(remove_duplicate=False)}
+    expected.update({n: tuple(b.shape) for n, b in _buffers(ddp.module)})
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [
+        f"size mismatch for {k}: copying a param with shape {tuple(state[k].shape)}, "
+        f"the shape in current model is {shape}"
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != shape
+    ]
+    errors = mismatched + (
+        [f"Missing key(s): {missing}"] * bool(missing) + [f"Unexpected key(s): {unexpected}"] * bool(unexpected)
+        if strict
+        else []
+    )
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for GeminiDDP:\n\t" + "\n\t".join(errors))
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = True):
+    """Load a full state (from :func:`model_state_dict` or a plain module) into masters, working data
+    and buffers; strict like ``torch.nn.Module.load_state_dict`` (checked before anything changes).
+    Returns torch's ``_IncompatibleKeys``."""
+    result = _check_full(ddp, state, strict)
     m, names = ddp.manager, _names(ddp)
     for chunk in m.chunks:
         lo, hi = chunk.shard_range(m.rank)
         full = torch.zeros(chunk.size, dtype=torch.float32)
+        full[lo:hi] = chunk.master.detach().cpu()  # a non-strict load keeps what the state lacks
         for info in chunk.tensors:
-            key = names[info.param][0]
-            if key not in state:
-                raise ValueError(f"state dict is missing {key!r}")
-            value = state[key]
-            if tuple(value.shape) != tuple(info.param.shape):
-                raise ValueError(f"{key}: expected shape {tuple(info.param.shape)}, got {tuple(value.shape)}")
-            full[info.offset : info.offset + info.numel] = value.reshape(-1).float()
+            key = next((n for n in names[info.param] if n in state), None)
+            if key is not None:
+                full[info.offset : info.offset + info.numel] = state[key].reshape(-1).float()
         with torch.no_grad():
             chunk.master.copy_(full[lo:hi])
             m.refresh_working(chunk)
-    for n, b in ddp.module.named_buffers():
-        if n in state:
-            b.copy_(state[n])
+    with torch.no_grad():
+        for n, b in _buffers(ddp.module):
+            if n in state:
+                b.copy_(state[n])
+    return result
 
 
 def _state_keys(optim) -> list[str]:
@@ -101,7 +140,8 @@ def _param_of_name(ddp) -> dict[str, torch.nn.Parameter]:
 
 
 def optimizer_state_dict(optim) -> dict:
-    """Gathered optimizer state keyed by parameter name, plus scalars, hyper-parameters and the loss scaler."""
+    """Gathered optimizer state keyed by parameter name, plus scalars, hyper-parameters and the loss
+    scaler. Collective (an all-gather per chunk and state): call on every rank."""
     m, ddp = optim.manager, optim.model
     keys = _state_keys(optim)
     state: dict[str, dict] = {}
@@ -207,9 +247,21 @@ def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
                 sd[f"optim/{info.name}/{k}@{start}"] = t.detach()
             else:  # a Python float (LARS's scale) keeps its precision
                 sd[f"optim/{info.name}/{k}"] = _scalar_tensor(t)
-    for n, b in model.module.named_buffers():
-        sd[f"model/{n}@0"] = b.detach().reshape(-1)
+    for n, b in _buffers(model.module):
+        sd[f"model/{n}" if b.dim() == 0 else f"model/{n}@0"] = b.detach().reshape(b.shape if b.dim() == 0 else -1)
     return sd
+
+
+def sharded_entries(model) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``name -> (logical shape, dtype name)`` of every model entry :func:`sharded_state_dict` writes
+    (parameters as their fp32 masters), the same on every rank (for strict loading); no communication."""
+    out = {}
+    for chunk in model.manager.chunks:
+        for info in chunk.tensors:
+            out[info.name] = (tuple(info.param.shape), "float32")
+    for n, b in _buffers(model.module):
+        out[n] = (tuple(b.shape), str(b.dtype).removeprefix("torch."))
+    return out
 
 
 def _scalar_tensor(v) -> torch.Tensor:
@@ -225,7 +277,8 @@ def _dcp_kwargs(manager) -> dict:
 
 
 def save_sharded(path: str, model, optimizer=None) -> None:
-    """Save this rank's slices with ``torch.distributed.checkpoint`` (collective over the data-parallel group)."""
+    """Save this rank's slices with ``torch.distributed.checkpoint``. Collective over the
+    data-parallel group: every rank calls it (a call on some ranks only hangs in ``dcp.save``)."""
     import torch.distributed.checkpoint as dcp
 
     sd = sharded_state_dict(model, optimizer)
@@ -255,16 +308,21 @@ def _by_name(keys) -> dict[str, list[str]]:
     return out
 
 
-def _check_complete(manager, pieces) -> None:
-    """ValueError when the pieces of a parameter (or of its states) do not add up to it; every rank
-    knows every chunk's tensors, so all raise alike, before the collective load."""
+def _check_complete(model, pieces, metadata, skip) -> None:
+    """ValueError when the pieces of a parameter (or of its states) do not add up to it, or a buffer
+    is absent (names in ``skip`` may be); every rank knows every chunk's tensors, so all raise
+    alike, before the collective load."""
     states = _by_name(pieces)
-    for chunk in manager.chunks:
+    for chunk in model.manager.chunks:
         for info in chunk.tensors:
             for prefix in [f"model/{info.name}", *states.get(info.name, ())]:
                 held = sum(n for _, n, _ in pieces.get(prefix, ()))
-                if held != info.numel:
+                if held != info.numel and not (held == 0 and info.name in skip):
                     raise ValueError(f"the checkpoint holds {held} of the {info.numel} elements of {prefix!r}")
+    for n, b in _buffers(model.module):
+        held = sum(k for _, k, _ in pieces.get(f"model/{n}", ())) or (b.numel() if f"model/{n}" in metadata else 0)
+        if held != b.numel() and not (held == 0 and n in skip):
+            raise ValueError(f"the checkpoint holds {held} of the {b.numel()} elements of 'model/{n}'")
 
 
 def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
@@ -285,21 +343,26 @@ def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
     return wanted, targets
 
 
-def load_sharded_state_dict(model, optimizer, metadata, load) -> None:
+def load_sharded_state_dict(model, optimizer, metadata, load, *, skip: set[str] = frozenset()) -> None:
     """Load the flat-slice pieces (any writer, world size and chunk size) overlapping this rank's
     slices: ``metadata`` is the checkpoint's DCP ``state_dict_metadata``, ``load(tensors)`` fills a
-    dict of tensors in place (one ``dcp.load``: collective, every rank calls it once)."""
+    dict of tensors in place (one ``dcp.load``: collective, every rank calls it once). ``skip``:
+    names the checkpoint lacks that stay as they are (a non-strict load)."""
     pieces = _pieces(metadata)
-    _check_complete(model.manager, pieces)
+    _check_complete(model, pieces, metadata, skip)
     wanted, targets = _targets(model.manager, optimizer, metadata, pieces)
-    buffers = {n: b for n, b in model.module.named_buffers() if f"model/{n}" in pieces}
-    wanted.update(k for n in buffers for *_, k in pieces[f"model/{n}"])
+    buffers = {n: b for n, b in _buffers(model.module) if f"model/{n}" in pieces or f"model/{n}" in metadata}
+    for n in buffers:  # a 0-dim buffer is one whole key, others are pieces
+        wanted.update([f"model/{n}"] if f"model/{n}" in metadata else [k for *_, k in pieces[f"model/{n}"]])
     loaded = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in sorted(wanted)}
     load(loaded)
     _apply(model.manager, optimizer, loaded, targets)
     with torch.no_grad():
         for n, b in buffers.items():
-            b.view(-1).copy_(torch.cat([loaded[k] for _, _, k in sorted(pieces[f"model/{n}"])]))
+            if f"model/{n}" in loaded:  # a 0-dim buffer
+                b.copy_(loaded[f"model/{n}"])
+            else:
+                b.view(-1).copy_(torch.cat([loaded[k] for _, _, k in sorted(pieces[f"model/{n}"])]))
     if optimizer is not None:
         _load_scalars(optimizer, loaded, _by_name(pieces))
 

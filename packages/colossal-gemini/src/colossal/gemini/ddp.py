@@ -458,12 +458,15 @@ class GeminiDDP(nn.Module):
         return stats
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Full fp32 state of the wrapped module (gathered; loads into the plain module). Collective."""
+        """Full fp32 state of the wrapped module (gathered; loads into the plain module).
+        Collective (an all-gather per chunk): call on every rank, not only on the one that writes."""
         return checkpoint.model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state of the wrapped module (from :meth:`state_dict` or the plain module)."""
-        checkpoint.load_model_state_dict(self, state_dict)
+        """Load a full state of the wrapped module (from :meth:`state_dict` or the plain module),
+        strict like ``torch.nn.Module.load_state_dict``; every rank calls it with the full dict.
+        Returns torch's ``_IncompatibleKeys``."""
+        return checkpoint.load_model_state_dict(self, state_dict, strict)
 
     @property
     def stats(self) -> GeminiStats | None:

@@ -5,7 +5,9 @@ sharded (``torch.distributed.checkpoint``, loadable on any world size).
 Every rank saves, for each parameter slice inside its shard, plain 1-D fp32 tensors keyed
 ``model/<name>@<first element>`` and ``optim/<name>/<state key>@<first element>``; scalar
 optimizer states (Adam's ``step``) are saved as ``optim/<name>/<key>`` by every rank (DCP keeps
-one copy); buffers and frozen parameters are whole ``model/<name>@0`` pieces. Hyperparameters and
+one copy); buffers and frozen parameters are whole ``model/<name>@0`` pieces, except 0-dim ones
+(BatchNorm's ``num_batches_tracked``), saved whole as ``model/<name>`` like every other writer of
+the format does (a 1-element ``model/<name>@0`` from older checkpoints still loads). Hyperparameters and
 the loss scaler travel pickled in ``zero/extra``. To load, a rank reads the checkpoint's metadata,
 asks DCP for just the chunks that overlap the slices it now owns, and copies the overlaps, so the
 saving and loading world sizes (and stages) are independent. Any non-overlapping pieces that cover
@@ -17,15 +19,12 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from typing import TYPE_CHECKING
 
 import torch
 
 from colossal.comm import all_gather
 from colossal.zero._flat_param import FlatParam
-
-if TYPE_CHECKING:
-    from colossal.zero.optimizer import ZeroOptimizer
+from colossal.zero._state_view import ZeroState as ZeroOptimizer  # structural: no import of optimizer.py
 
 __all__ = [
     "full_model_state_dict",
@@ -36,6 +35,7 @@ __all__ = [
     "load_sharded",
     "sharded_state_dict",
     "load_sharded_state_dict",
+    "sharded_entries",
 ]
 
 
@@ -108,18 +108,50 @@ def _publish(zero: ZeroOptimizer) -> None:
         zero._publish_params()
 
 
-def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.Tensor]) -> None:
-    """Scatter a plain model state dict into the masters and working parameters."""
+def _check_full(zero: ZeroOptimizer, state_dict: dict, strict: bool):
+    """torch's ``load_state_dict`` rules: missing/unexpected keys are an error when ``strict``
+    (returned otherwise), a shape mismatch always is; all listed in one RuntimeError."""
+    expected = zero.module.state_dict(keep_vars=True)  # tied names included, like torch
+    shapes = {id(p): tuple(s) for flat in zero.flats for p, s in zip(flat.params, flat.shapes, strict=True)}
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    mismatched = [
+        f"size mismatch for {k}: copying a param with shape {tuple(state_dict[k].shape)}, "
+        f"the shape in current model is {shapes.get(id(t), tuple(t.shape))}"
+        for k, t in expected.items()
+        if k in state_dict and tuple(state_dict[k].shape) != shapes.get(id(t), tuple(t.shape))
+    ]
+    errors = mismatched + (
+        [f"Missing key(s): {missing}"] * bool(missing) + [f"Unexpected key(s): {unexpected}"] * bool(unexpected)
+        if strict
+        else []
+    )
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for ZeroOptimizer:\n\t" + "\n\t".join(errors))
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.Tensor], strict: bool = True):
+    """Scatter a plain model state dict into the masters, working parameters and buffers; strict
+    like ``torch.nn.Module.load_state_dict`` (checked before anything changes). Returns torch's
+    ``_IncompatibleKeys`` (what a non-strict load skipped)."""
+    result = _check_full(zero, state_dict, strict)
     for flat in zero.flats:
         full32 = torch.zeros(flat.padded_numel, dtype=torch.float32)
-        for name, off, n, shape in zip(flat.names, flat.offsets, flat.numels, flat.shapes, strict=True):
-            if name not in state_dict:
-                raise ValueError(f"state_dict has no entry {name!r} (a parameter of the model)")
-            if tuple(state_dict[name].shape) != tuple(shape):
-                raise ValueError(f"state_dict[{name!r}] has shape {tuple(state_dict[name].shape)}, expected {shape}")
-            full32[off : off + n].copy_(state_dict[name].reshape(-1))
-        _values(flat).copy_(flat.local(full32))
+        present = torch.zeros(flat.padded_numel, dtype=torch.bool)
+        for name, off, n in zip(flat.names, flat.offsets, flat.numels, strict=True):
+            if name in state_dict:
+                full32[off : off + n].copy_(state_dict[name].reshape(-1))
+                present[off : off + n] = True
+        values = _values(flat)
+        values.copy_(torch.where(flat.local(present).to(values.device), flat.local(full32).to(values.device), values))
+    managed = {id(p) for flat in zero.flats for p in flat.params}
+    with torch.no_grad():
+        for name, t in _unmanaged(zero, managed):
+            if name in state_dict:
+                t.copy_(state_dict[name])
     _publish(zero)
+    return result
 
 
 def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> None:
@@ -169,14 +201,38 @@ def sharded_state_dict(zero: ZeroOptimizer, *, include_optimizer: bool = True) -
         for name, sc in zip(flat.names, scalars):  # per parameter (LARS's scale)
             for key, v in sc.items():
                 sd[f"optim/{name}/{key}"] = v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v)
-    for name, t in zero.module.state_dict(keep_vars=True).items():  # buffers, frozen parameters
-        if id(t) not in managed:
-            sd[f"model/{name}@0"] = t.detach().reshape(-1)
+    for name, t in _unmanaged(zero, managed):  # buffers, frozen parameters
+        sd[f"model/{name}" if t.dim() == 0 else f"model/{name}@0"] = t.detach().reshape(t.shape if t.dim() == 0 else -1)
     return sd
 
 
+def _unmanaged(zero: ZeroOptimizer, managed: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the state-dict entries no flat buffer holds (buffers, frozen
+    parameters), tied names once."""
+    seen, out = set(managed), []
+    for name, t in zero.module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def sharded_entries(zero: ZeroOptimizer) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``name -> (logical shape, dtype name)`` of every model entry :func:`sharded_state_dict`
+    writes (parameters as their fp32 masters), known alike on every rank; nothing is gathered."""
+    out = {}
+    for flat in zero.flats:
+        for name, shape in zip(flat.names, flat.shapes, strict=True):
+            out[name] = (tuple(shape), "float32")
+    managed = {id(p) for flat in zero.flats for p in flat.params}
+    for name, t in _unmanaged(zero, managed):
+        out[name] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    return out
+
+
 def save_sharded(zero: ZeroOptimizer, path: str) -> None:
-    """Write this rank's slices (see the module note) with ``dcp.save``; call on every rank."""
+    """Write this rank's slices (see the module note) with ``dcp.save``. Collective: every rank of
+    the engine's group must call it (a call on some ranks only hangs in ``dcp.save``)."""
     sd = sharded_state_dict(zero)
     extra = {
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups],
@@ -225,29 +281,36 @@ def _wanted(zero: ZeroOptimizer, metadata, chunks: dict, include_optimizer: bool
         if opt:
             heads = tuple(f"optim/{name}/" for name in flat.names)
             wanted.update(k for k in metadata if k.startswith(heads) and "@" not in k)
-    for name, t in zero.module.state_dict(keep_vars=True).items():
-        if id(t) not in managed:
-            wanted.update(k for *_, k in chunks.get(f"model/{name}", ()))
+    for name, t in _unmanaged(zero, managed):
+        wanted.update(k for *_, k in chunks.get(f"model/{name}", ()))
+        if t.dim() == 0 and f"model/{name}" in metadata:
+            wanted.add(f"model/{name}")
     return wanted
 
 
-def load_sharded_state_dict(zero: ZeroOptimizer, metadata, load, *, include_optimizer: bool = True) -> None:
+def load_sharded_state_dict(
+    zero: ZeroOptimizer, metadata, load, *, include_optimizer: bool = True, skip: set[str] = frozenset()
+) -> None:
     """Load the pieces overlapping this rank's slices. ``metadata``: the checkpoint's DCP
     ``state_dict_metadata`` (key -> sizes); ``load(tensors)``: fills a dict of tensors with the
-    checkpoint's values in place (one ``dcp.load``; collective, every rank calls it once)."""
+    checkpoint's values in place (one ``dcp.load``; collective, every rank calls it once).
+    ``skip``: entry names the checkpoint lacks that stay as they are (a non-strict load);
+    every other entry must be complete (ValueError before anything changes)."""
     chunks = _index(metadata)
-    _check_complete(zero, chunks)
+    _check_complete(zero, chunks, metadata, skip)
     wanted = _wanted(zero, metadata, chunks, include_optimizer)
     loaded = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in sorted(wanted)}
     load(loaded)
     managed = {id(p) for flat in zero.flats for p in flat.params}
     for flat in zero.flats:
-        _values(flat).copy_(_assemble(flat, "model/{}", chunks, loaded))
+        _values(flat).copy_(_assemble(flat, "model/{}", chunks, loaded, _values(flat)))
         if include_optimizer and flat.master is not None:
             _load_flat_state(zero, flat, chunks, loaded)
     with torch.no_grad():
-        for name, t in zero.module.state_dict(keep_vars=True).items():
-            if id(t) not in managed and chunks.get(f"model/{name}"):
+        for name, t in _unmanaged(zero, managed):
+            if t.dim() == 0 and f"model/{name}" in loaded:
+                t.copy_(loaded[f"model/{name}"])
+            elif chunks.get(f"model/{name}"):  # a 1-element @0 piece from older checkpoints too
                 full = torch.zeros(t.numel(), dtype=t.dtype)
                 for start, n, key in chunks[f"model/{name}"]:
                     full[start : start + n] = loaded[key]
@@ -255,24 +318,33 @@ def load_sharded_state_dict(zero: ZeroOptimizer, metadata, load, *, include_opti
     _publish(zero)
 
 
-def _check_complete(zero: ZeroOptimizer, chunks: dict) -> None:
-    """ValueError when the pieces of a parameter (or of its states) do not add up to it. Every rank
-    knows every parameter's size, so all raise alike, before the collective load."""
+def _check_complete(zero: ZeroOptimizer, chunks: dict, metadata, skip) -> None:
+    """ValueError when the pieces of a parameter (or of its states) do not add up to it, or a buffer
+    is absent. Every rank knows every parameter's size, so all raise alike, before the collective load."""
     for flat in zero.flats:
         for name, numel in zip(flat.names, flat.numels, strict=True):
             for prefix in {f"model/{name}", *_prefixes(name, chunks)}:
                 held = sum(n for _, n, _ in chunks.get(prefix, ()))
-                if held != numel:
+                if held != numel and not (held == 0 and name in skip):
                     raise ValueError(f"the checkpoint holds {held} of the {numel} elements of {prefix!r}")
+    managed = {id(p) for flat in zero.flats for p in flat.params}
+    for name, t in _unmanaged(zero, managed):
+        whole = t.numel() if f"model/{name}" in metadata else 0  # a 0-dim tensor under its plain key
+        held = sum(n for _, n, _ in chunks.get(f"model/{name}", ())) or whole
+        if held != t.numel() and not (held == 0 and name in skip):
+            raise ValueError(f"the checkpoint holds {held} of the {t.numel()} elements of 'model/{name}'")
 
 
 def _prefixes(name: str, chunks: dict, include_optimizer: bool = True) -> list[str]:
     return [p for p in chunks if p == f"model/{name}" or (include_optimizer and p.startswith(f"optim/{name}/"))]
 
 
-def _assemble(flat: FlatParam, pattern: str, chunks: dict, loaded: dict) -> torch.Tensor:
-    """This rank's ``(shard_numel,)`` buffer filled from the overlapping saved chunks."""
+def _assemble(flat: FlatParam, pattern: str, chunks: dict, loaded: dict, base=None) -> torch.Tensor:
+    """This rank's ``(shard_numel,)`` buffer filled from the overlapping saved chunks (elements
+    no chunk covers keep ``base``'s values, or zero)."""
     out = torch.zeros(flat.shard_numel, dtype=torch.float32)
+    if base is not None:
+        out.copy_(base.detach())
     for s in flat.slices():
         lo, hi = s.param_start, s.param_start + s.numel
         for start, n, key in chunks.get(pattern.format(flat.names[s.index]), []):
@@ -283,12 +355,18 @@ def _assemble(flat: FlatParam, pattern: str, chunks: dict, loaded: dict) -> torc
 
 
 def _load_flat_state(zero: ZeroOptimizer, flat: FlatParam, chunks: dict, loaded: dict) -> None:
-    name0 = flat.names[0]
+    with_state = [n for n in flat.names if any(p.startswith(f"optim/{n}/") for p in [*chunks, *loaded])]
+    if not with_state:
+        return
+    name0 = with_state[0]  # a non-strict load may lack the first parameter
     keys = {p.split("/", 2)[2] for p in chunks if p.startswith(f"optim/{name0}/")}
     scalars = {k.split("/", 2)[2] for k in loaded if k.startswith(f"optim/{name0}/") and "@" not in k}
     if not keys and not scalars:
         return
-    state = {k: _assemble(flat, f"optim/{{}}/{k}", chunks, loaded).to(flat.master.device) for k in keys}
+    current = zero._flat_state(flat)
+    base = {k: current[k] if _is_shard(flat, current.get(k)) else None for k in keys}
+    state = {k: _assemble(flat, f"optim/{{}}/{k}", chunks, loaded, base[k]) for k in keys}
+    state = {k: v.to(flat.master.device) for k, v in state.items()}
     state.update({k: loaded[f"optim/{name0}/{k}"].clone() for k in scalars})
     zero._set_flat_state(flat, state)
     zero._set_param_scalars(  # per parameter (LARS's scale)

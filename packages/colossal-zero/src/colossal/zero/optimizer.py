@@ -333,50 +333,68 @@ class ZeroOptimizer:
         return {k: dict(v) for k, v in out.items()}
 
     # -- state ----------------------------------------------------------------------------------
+    # [Note: state is collective] Every method below that gathers or saves (full_model_state_dict,
+    # state_dict, save_sharded) or loads (load_*) runs collectives over the engine's group: call it
+    # on every rank, never under ``if rank == 0:`` (that hangs in the first collective).
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict (fp32 master values), loadable by the plain model."""
+        """The whole model's state dict (fp32 master values), loadable by the plain model.
+        Collective (an all-gather per buffer): call on every rank; each gets the full dict."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.full_model_state_dict(self)
 
     def state_dict(self) -> dict:
         """The optimizer state in plain ``torch.optim`` form (full tensors, indices over the
-        original ``model.parameters()`` groups) plus ``"loss_scaler"``."""
+        original ``model.parameters()`` groups) plus ``"loss_scaler"``. Collective (an all-gather
+        per state tensor): call on every rank, not only on the one that writes the file."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.full_optimizer_state_dict(self)
 
-    def load_full_model_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a plain (unsharded) model state dict into the shards and working parameters."""
+    def load_full_model_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
+        """Load a plain (unsharded) model state dict into the shards, working parameters and
+        buffers, strict like ``torch.nn.Module.load_state_dict`` (returns its ``_IncompatibleKeys``).
+        Every rank calls it with the full dict (stages 1/2 re-gather the parameters: collective)."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
-        checkpoint.load_full_model_state_dict(self, state_dict)
+        return checkpoint.load_full_model_state_dict(self, state_dict, strict)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a plain optimizer state dict (as :meth:`state_dict` or ``torch.optim`` writes it)."""
+        """Load a plain optimizer state dict (as :meth:`state_dict` or ``torch.optim`` writes it);
+        every rank calls it with the full dict."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_full_optimizer_state_dict(self, state_dict)
 
     def save_sharded(self, path: str) -> None:
-        """Save model + optimizer shards with ``torch.distributed.checkpoint`` (any world size loads)."""
+        """Save model + optimizer shards with ``torch.distributed.checkpoint`` (any world size
+        loads). Collective: every rank calls it with the same ``path``."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.save_sharded(self, path)
 
     def load_sharded(self, path: str) -> None:
-        """Load a checkpoint written by :meth:`save_sharded` on any number of ranks."""
+        """Load a checkpoint written by :meth:`save_sharded` on any number of ranks. Collective."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_sharded(self, path)
 
     def sharded_state_dict(self, *, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
         """This rank's pieces of the flat-slice checkpoint format (``model/<name>@<start>``,
-        ``optim/<name>/<key>@<start>``, scalars ``optim/<name>/<key>``; [Note: the sharded layout]
-        in :mod:`colossal.zero.checkpoint`): views of its own slices, nothing gathered."""
+        ``optim/<name>/<key>@<start>``, scalars and 0-dim tensors under their plain keys; [Note:
+        the sharded layout] in :mod:`colossal.zero.checkpoint`): views of its own slices, nothing
+        gathered. Writing them (``dcp.save``) is collective: every rank does."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         return checkpoint.sharded_state_dict(self, include_optimizer=include_optimizer)
 
-    def load_sharded_state_dict(self, metadata, load, *, include_optimizer: bool = True) -> None:
+    def sharded_entries(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``name -> (logical shape, dtype name)`` of every model entry :meth:`sharded_state_dict`
+        writes, the same on every rank (for strict loading); no communication."""
+        return checkpoint.sharded_entries(self)
+
+    def load_sharded_state_dict(
+        self, metadata, load, *, include_optimizer: bool = True, skip: set[str] = frozenset()
+    ) -> None:
         """Load a flat-slice checkpoint written on any world size, reading only the pieces that
         overlap this rank's slices: ``metadata`` is its DCP ``state_dict_metadata``, ``load(tensors)``
-        fills a dict of tensors in place (e.g. ``dcp.load``); collective, once per rank."""
+        fills a dict of tensors in place (e.g. ``dcp.load``); collective, once per rank. ``skip``:
+        names the checkpoint lacks that stay as they are (a non-strict load)."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
-        checkpoint.load_sharded_state_dict(self, metadata, load, include_optimizer=include_optimizer)
+        checkpoint.load_sharded_state_dict(self, metadata, load, include_optimizer=include_optimizer, skip=skip)
 
 
 class _CommTap:

@@ -25,15 +25,20 @@ from colossalai.booster.plugin import Plugin, world_rank
 from colossalai.booster.precision import Precision, parse_precision
 from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer
 from colossalai.checkpoint import (
-    RUN_FILE,
+    DEFAULT_ARRIVAL_TIMEOUT,
+    IncompatibleEntries,
     atomic_checkpoint_dir,
-    load_rng,
+    check_all_ranks_arrive,
+    load_run_file,
     load_sharded,
+    read_rng,
     resolve_checkpoint,
-    save_rng,
+    restore_rng,
+    save_run_files,
     save_safetensors_folder,
     save_sharded,
 )
+from colossalai.checkpoint.integrity import load_file_checked
 
 __all__ = ["Booster", "RunState"]
 
@@ -53,9 +58,23 @@ class RunState:
 
 
 class Booster:
-    """Applies a plugin (parallel layout) and a mixed-precision mode to a training setup."""
+    """Applies a plugin (parallel layout) and a mixed-precision mode to a training setup.
 
-    def __init__(self, plugin: Plugin | None = None, mixed_precision: str | Precision | None = None) -> None:
+    ``checkpoint_timeout``: seconds every save/load waits for all ranks to call it before it raises
+    a :class:`~colossalai.checkpoint.CheckpointError` naming the ranks that did not ([Note: the
+    arrival check] in :mod:`colossalai.checkpoint.guard`).
+    """
+
+    def __init__(
+        self,
+        plugin: Plugin | None = None,
+        mixed_precision: str | Precision | None = None,
+        *,
+        checkpoint_timeout: float = DEFAULT_ARRIVAL_TIMEOUT,
+    ) -> None:
+        if checkpoint_timeout <= 0:
+            raise ValueError(f"checkpoint_timeout must be a positive number of seconds, got {checkpoint_timeout}")
+        self.checkpoint_timeout = float(checkpoint_timeout)
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(f"plugin must be a colossalai Plugin, got {type(plugin).__name__}")
         self.plugin = plugin or TorchDDPPlugin()
@@ -113,25 +132,51 @@ class Booster:
         return self.plugin.prepare_dataloader(dataset, batch_size, **kwargs)
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    # [Note: checkpoints are collective] Every save_* / load_* / export_* below is a collective:
+    # call it on every rank with the same arguments, never under ``if rank == 0:``. Each first
+    # checks that all ranks arrived ([Note: the arrival check] in colossalai.checkpoint.guard) and
+    # raises a CheckpointError naming the missing ranks after ``checkpoint_timeout`` seconds.
+    def _arrive(self, op: str) -> None:
+        check_all_ranks_arrive(f"Booster.{op}", self.checkpoint_timeout)
+
     def save_model(self, model: BoostedModel, root: str | os.PathLike, name: str = "model") -> pathlib.Path:
-        """Sharded, crash-safe model checkpoint ``root/name`` (DCP); returns its path."""
+        """Sharded, crash-safe model checkpoint ``root/name`` (DCP); returns its path.
+        Collective: every rank calls it (each writes its own shard)."""
+        self._arrive("save_model")
         with atomic_checkpoint_dir(root, name) as tmp:
             save_sharded(tmp, self.plugin, model.module)
         return pathlib.Path(root) / name
 
-    def load_model(self, model: BoostedModel, path: str | os.PathLike) -> None:
-        """Load a model checkpoint written by any plugin at any world size."""
-        load_sharded(resolve_checkpoint(path), self.plugin, model.module)
+    def load_model(self, model: BoostedModel, path: str | os.PathLike, *, strict: bool = True) -> IncompatibleEntries:
+        """Load a model checkpoint written by any plugin at any world size. Collective.
+
+        Strict like ``load_state_dict``: one :class:`~colossalai.checkpoint.CheckpointMismatchError`
+        lists every missing, unexpected and mis-shaped entry, on every rank, before anything
+        changes; with ``strict=False`` the missing ones stay as they are and the unexpected ones
+        are ignored, and both come back as :class:`~colossalai.checkpoint.IncompatibleEntries`
+        (mis-shaped entries are always an error). A damaged file raises
+        :class:`~colossalai.checkpoint.CheckpointError` naming it.
+        """
+        self._arrive("load_model")
+        return load_sharded(resolve_checkpoint(path), self.plugin, model.module, strict=strict)
 
     def save_optimizer(self, optimizer: BoostedOptimizer, root: str | os.PathLike, name: str = "optimizer"):
-        """Sharded, crash-safe model + optimizer checkpoint (optimizer state is keyed by parameter name)."""
+        """Sharded, crash-safe model + optimizer checkpoint (optimizer state is keyed by parameter
+        name). Collective: every rank calls it."""
+        self._arrive("save_optimizer")
         with atomic_checkpoint_dir(root, name) as tmp:
             save_sharded(tmp, self.plugin, optimizer.boosted_model.module, optimizer.unwrap())
         return pathlib.Path(root) / name
 
-    def load_optimizer(self, optimizer: BoostedOptimizer, path: str | os.PathLike) -> None:
-        """Load model and optimizer state from :meth:`save_optimizer` or :meth:`save_run`."""
-        load_sharded(resolve_checkpoint(path), self.plugin, optimizer.boosted_model.module, optimizer.unwrap())
+    def load_optimizer(
+        self, optimizer: BoostedOptimizer, path: str | os.PathLike, *, strict: bool = True
+    ) -> IncompatibleEntries:
+        """Load model and optimizer state from :meth:`save_optimizer` or :meth:`save_run`.
+        Collective; strict as :meth:`load_model` (optimizer state may be absent for a parameter,
+        as torch's optimizers hold none for one that never had a gradient)."""
+        self._arrive("load_optimizer")
+        module = optimizer.boosted_model.module
+        return load_sharded(resolve_checkpoint(path), self.plugin, module, optimizer.unwrap(), strict=strict)
 
     def save_lr_scheduler(self, lr_scheduler, path: str | os.PathLike) -> None:
         """``torch.save`` of the scheduler state (rank 0 writes; it is identical on every rank)."""
@@ -139,21 +184,23 @@ class Booster:
             torch.save(lr_scheduler.state_dict(), path)
 
     def load_lr_scheduler(self, lr_scheduler, path: str | os.PathLike) -> None:
-        """Inverse of :meth:`save_lr_scheduler`."""
-        lr_scheduler.load_state_dict(torch.load(path, weights_only=False))
+        """Inverse of :meth:`save_lr_scheduler` (a damaged file raises CheckpointError naming it)."""
+        state = load_file_checked(path, "the LR scheduler state", lambda p: torch.load(p, weights_only=False))
+        lr_scheduler.load_state_dict(state)
 
     def save_run(self, root, model, optimizer, lr_scheduler=None, *, state: RunState, name: str | None = None):
         """Everything needed for an exact resume, as ``root/step-XXXXXXXX``; ``root/latest`` points at it.
 
         Model and optimizer go through DCP (reshardable); step, data position, scheduler, loss
         scaler and extras go to ``run_state.pt``; each rank's RNG states to ``rng/rank<r>.pt``.
+        Collective: every rank calls it.
         """
+        self._arrive("save_run")
         name = name or f"step-{state.step:08d}"
         with atomic_checkpoint_dir(root, name) as tmp:
             save_sharded(tmp, self.plugin, model.module, optimizer.unwrap())
-            save_rng(tmp)
-            if world_rank() == 0:
-                torch.save(self._run_payload(optimizer, lr_scheduler, state), tmp / RUN_FILE)
+            payload = self._run_payload(optimizer, lr_scheduler, state) if world_rank() == 0 else None
+            save_run_files(tmp, payload)
         return pathlib.Path(root) / name
 
     def _run_payload(self, optimizer, lr_scheduler, state: RunState) -> dict:
@@ -169,11 +216,13 @@ class Booster:
         """Restore a :meth:`save_run` checkpoint (``path`` may be the root: ``latest`` is used).
 
         With ``dataloader`` (from :meth:`prepare_dataloader`) its sampler resumes at the saved
-        data position. Returns the saved :class:`RunState`.
+        data position. Returns the saved :class:`RunState`. Collective and strict (see
+        :meth:`load_model`); every file is checked before anything changes.
         """
+        self._arrive("load_run")
         path = resolve_checkpoint(path)
+        payload, rng = load_run_file(path), read_rng(path)  # read (and checked) before anything changes
         load_sharded(path, self.plugin, model.module, optimizer.unwrap())
-        payload = torch.load(path / RUN_FILE, weights_only=False)
         if lr_scheduler is not None and payload["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(payload["lr_scheduler"])
         if getattr(optimizer, "scaler", None) is not None and payload["scaler"] is not None:
@@ -181,11 +230,13 @@ class Booster:
         state = RunState(**payload["run"])
         if dataloader is not None and hasattr(dataloader.sampler, "set_position"):
             dataloader.sampler.set_position(state.epoch, state.consumed_samples)
-        load_rng(path)
+        restore_rng(rng)
         return state
 
     def export_safetensors(self, model: BoostedModel, folder, max_shard_bytes: int = 2 * 1024**3):
-        """Gather the full model and write a Hugging Face style safetensors folder (rank 0)."""
+        """Gather the full model and write a Hugging Face style safetensors folder (rank 0 writes).
+        Collective: every rank calls it (the gather needs them all)."""
+        self._arrive("export_safetensors")
         full = self.plugin.full_model_state_dict(model.module)
         if world_rank() == 0:
             save_safetensors_folder(full, folder, max_shard_bytes)

@@ -104,7 +104,7 @@ class GeminiPlugin(Plugin):
         self.model.load_state_dict(state)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full model on every rank."""
+        """Full model on every rank. Collective (gathers): every rank calls it."""
         return self.model.state_dict()
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
@@ -134,12 +134,19 @@ class GeminiPlugin(Plugin):
         pieces = sharded_state_dict(self.model, self.engine)
         return {**pieces, GROUPS_KEY: groups_blob(self.engine.optim.param_groups)}
 
+    def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Logical shapes and dtypes from Gemini's chunk records (nothing gathered)."""
+        from colossal.gemini import sharded_entries
+
+        return {f"model/{n}": e for n, e in sharded_entries(self.model).items()}
+
     def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
         """Read the pieces overlapping this rank's chunk shards (the loss scaler travels in the run state)."""
         from colossal.gemini import load_sharded_state_dict
 
         engine = self.engine if optimizer is not None else None
-        load_sharded_state_dict(self.model, engine, reader.metadata, reader.load)
+        skip = {k[len("model/") :] for k in reader.skip}
+        load_sharded_state_dict(self.model, engine, reader.metadata, reader.load, skip=skip)
         if optimizer is not None:
             apply_groups(self.engine.optim.param_groups, reader.groups())
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from colossalai.booster.precision import Precision
-from colossalai.checkpoint.slices import aliases, fill_state, pieces_from_state
+from colossalai.checkpoint.slices import aliases, fill_state, model_entries, pieces_from_state
 from colossalai.data.dataset import ResumableDistributedSampler
 
 __all__ = ["Plugin", "world_size", "world_rank", "param_names", "rebind_optimizer", "materialize_optimizer_state"]
@@ -114,7 +114,8 @@ class Plugin(abc.ABC):
 
     # ---- state (keys are the original module's parameter names) -------------------------------
     def model_state_dict(self, model: nn.Module) -> dict:
-        """Sharded-or-full model state for ``torch.distributed.checkpoint`` (canonical names)."""
+        """Sharded-or-full model state for ``torch.distributed.checkpoint`` (canonical names).
+        May be collective (a plugin that gathers): call on every rank."""
         return dcp_sd.get_model_state_dict(model)
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
@@ -122,7 +123,8 @@ class Plugin(abc.ABC):
         dcp_sd.set_model_state_dict(model, state)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Optimizer state keyed by parameter names, for ``torch.distributed.checkpoint``."""
+        """Optimizer state keyed by parameter names, for ``torch.distributed.checkpoint``.
+        May be collective (a plugin that gathers): call on every rank."""
         return dcp_sd.get_optimizer_state_dict(model, optimizer)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -133,13 +135,22 @@ class Plugin(abc.ABC):
     def checkpoint_pieces(self, model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
         """This rank's pieces of a checkpoint (``model/<name>@<start>``, ``optim/<name>/<key>@<start>``,
         ...; :mod:`colossalai.checkpoint.slices`). Default: from :meth:`model_state_dict` and
-        :meth:`optimizer_state_dict` (whole tensors; a DTensor gives its local block)."""
+        :meth:`optimizer_state_dict` (whole tensors; a DTensor gives its local block).
+        Collective like every checkpoint step: every rank calls it."""
         optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
         return pieces_from_state(self.model_state_dict(model), optim_sd, aliases(self.unwrap(model)))
 
+    def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``model/<name> -> (logical shape, dtype name)`` of every model entry a checkpoint holds
+        (parameters and persistent buffers, tied names once): recorded at save, checked at load
+        ([Note: strict loading] in :mod:`colossalai.checkpoint.entries`). Default: from
+        :meth:`model_state_dict` (a DTensor has its global shape)."""
+        return model_entries(self.model_state_dict(model), aliases(self.unwrap(model)))
+
     def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
         """Load model (and optimizer) from a :class:`~colossalai.checkpoint.SliceReader`, reading
-        only the pieces overlapping this rank's tensors. Default: fills the templates of
+        only the pieces overlapping this rank's tensors and leaving ``reader.skip`` (a non-strict
+        load's missing entries) alone. Default: fills the templates of
         :meth:`model_state_dict` / :meth:`optimizer_state_dict`, then loads them."""
         model_sd = self.model_state_dict(model)
         optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
@@ -149,7 +160,8 @@ class Plugin(abc.ABC):
             self.load_optimizer_state_dict(model, optimizer, optim_sd)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model, unsharded, on the CPU of rank 0 (other ranks may get an empty dict)."""
+        """The whole model, unsharded, on the CPU of rank 0 (other ranks may get an empty dict).
+        Collective: every rank calls it (rank 0 then writes)."""
         options = dcp_sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
         return dcp_sd.get_model_state_dict(model, options=options)
 

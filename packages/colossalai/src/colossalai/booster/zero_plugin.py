@@ -96,7 +96,7 @@ class ZeroPlugin(Plugin):
 
     # ---- state: gathered, name-keyed (see the module note) ---------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict:
-        """Full fp32 parameters (and buffers) keyed by name."""
+        """Full fp32 parameters (and buffers) keyed by name. Collective (gathers): every rank calls it."""
         return self.engine.full_model_state_dict()
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
@@ -104,7 +104,7 @@ class ZeroPlugin(Plugin):
         self.engine.load_full_model_state_dict(state)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full model on every rank (rank 0 writes exports)."""
+        """Full model on every rank (rank 0 writes exports). Collective: every rank calls it."""
         return self.engine.full_model_state_dict()
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
@@ -122,9 +122,16 @@ class ZeroPlugin(Plugin):
         materialize_optimizer_state(self.engine.optimizer)
         return {**self.engine.sharded_state_dict(), GROUPS_KEY: groups_blob(self.engine.optimizer.param_groups)}
 
+    def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Logical shapes and dtypes from ZeRO's buffers (nothing gathered)."""
+        return {f"model/{n}": e for n, e in self.engine.sharded_entries().items()}
+
     def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
         """Read the pieces overlapping this rank's slices (the loss scaler travels in the run state)."""
-        self.engine.load_sharded_state_dict(reader.metadata, reader.load, include_optimizer=optimizer is not None)
+        skip = {k[len("model/") :] for k in reader.skip}
+        self.engine.load_sharded_state_dict(
+            reader.metadata, reader.load, include_optimizer=optimizer is not None, skip=skip
+        )
         if optimizer is not None:
             apply_groups(self.engine.optimizer.param_groups, reader.groups())
 

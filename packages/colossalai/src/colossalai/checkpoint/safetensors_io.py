@@ -14,6 +14,9 @@ import pathlib
 import torch
 from safetensors.torch import load_file, save_file
 
+from colossalai.checkpoint.errors import unreadable
+from colossalai.checkpoint.integrity import load_file_checked
+
 __all__ = ["save_safetensors_folder", "load_safetensors_folder", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -65,8 +68,15 @@ def load_safetensors_folder(folder: str | os.PathLike, device: str = "cpu") -> d
     index_path = folder / INDEX_NAME
     if not index_path.is_file():
         raise FileNotFoundError(f"{index_path} not found; is {str(folder)!r} a safetensors export?")
-    weight_map = json.loads(index_path.read_text())["weight_map"]
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise unreadable(index_path, "the safetensors index", e) from e
     state: dict[str, torch.Tensor] = {}
     for fname in sorted(set(weight_map.values())):
-        state.update(load_file(str(folder / fname), device=device))
+        shard = load_file_checked(folder / fname, "the safetensors shard", lambda p: load_file(str(p), device=device))
+        state.update(shard)
+    missing = sorted(n for n, f in weight_map.items() if n not in state)
+    if missing:
+        raise unreadable(index_path, "the safetensors index", KeyError(f"names {missing[:8]} are in no shard"))
     return state

@@ -17,9 +17,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from colossalai.checkpoint.entries import ENTRIES_PREFIX, compare_entries, entries_blob
+from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompatibleEntries
+from colossalai.checkpoint.integrity import write_dcp_checksums
 from colossalai.checkpoint.slices import SliceReader
 
-__all__ = ["save_sharded", "load_sharded", "DCP_SUBDIR"]
+__all__ = ["save_sharded", "load_sharded", "check_fits", "DCP_SUBDIR"]
 
 DCP_SUBDIR = "dcp"
 """Sub-directory of a checkpoint holding the DCP files."""
@@ -34,20 +37,52 @@ def _quiet_single_process():
         yield
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def save_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None) -> None:
-    """Write the model (and optimizer) state of every rank into ``folder/dcp``."""
+    """Write the model (and optimizer) state of every rank into ``folder/dcp``, with the entry table
+    ([Note: strict loading]) and the checksums of the files ([Note: checksums]). Collective: every
+    rank calls it."""
+    path = pathlib.Path(folder) / DCP_SUBDIR
     with torch.profiler.record_function("colossalai.checkpoint::save_sharded"), _quiet_single_process():
-        dcp.save(plugin.checkpoint_pieces(model, optimizer), checkpoint_id=str(pathlib.Path(folder) / DCP_SUBDIR))
+        pieces = plugin.checkpoint_pieces(model, optimizer)
+        pieces[f"{ENTRIES_PREFIX}{_rank()}"] = entries_blob(plugin.checkpoint_entries(model), pieces)
+        dcp.save(pieces, checkpoint_id=str(path))
+        write_dcp_checksums(path, _rank())
 
 
-def load_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None) -> None:
-    """Read ``folder/dcp`` into the model (and optimizer), resharding to the current layout."""
+def check_fits(reader: SliceReader, plugin, model: nn.Module, optimizer=None, *, strict: bool = True):
+    """The strict check ([Note: strict loading]): raise :class:`CheckpointMismatchError` listing
+    every missing, unexpected and mis-shaped entry (only mis-shaped ones when not ``strict``);
+    otherwise return them, and mark the missing ones to be left alone (``reader.skip``)."""
+    reader.check()
+    if optimizer is not None:
+        reader.groups()  # a model-only checkpoint: an error before anything is read
+    expected = plugin.checkpoint_entries(model)
+    found = compare_entries(reader.entries(), reader.held(), expected, optimizer is not None)
+    if found.mismatched or (strict and found):
+        hint = "" if found.mismatched else "pass strict=False to load the entries that match and get these lists back"
+        raise CheckpointMismatchError(reader.path, found, hint)
+    reader.skip = set(found.missing)
+    return found
+
+
+def load_sharded(
+    folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None, *, strict: bool = True
+) -> IncompatibleEntries:
+    """Read ``folder/dcp`` into the model (and optimizer), resharding to the current layout, after
+    the strict check (:func:`check_fits`); returns the entries a non-strict load skipped. Collective."""
     path = pathlib.Path(folder) / DCP_SUBDIR
     if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} holds no DCP checkpoint (missing .metadata)")
+        raise CheckpointError(
+            f"{path} holds no DCP checkpoint (missing .metadata): the checkpoint is incomplete or not one", path
+        )
     with torch.profiler.record_function("colossalai.checkpoint::load_sharded"), _quiet_single_process():
         reader = SliceReader(path)
-        if not any(k.startswith("model/") for k in reader.pieces):
-            raise ValueError(f"{path} is not a flat-slice checkpoint (no 'model/<name>@<start>' pieces)")
-        reader.check(n for n, _ in plugin.unwrap(model).named_parameters())  # first names of tied ones
+        if not any(k.startswith("model/") for k in reader.metadata):
+            raise CheckpointError(f"{path} is not a flat-slice checkpoint (no 'model/<name>' entries)", path)
+        found = check_fits(reader, plugin, model, optimizer, strict=strict)
         plugin.load_checkpoint_pieces(model, optimizer, reader)
+    return found

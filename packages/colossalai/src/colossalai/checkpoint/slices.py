@@ -6,8 +6,12 @@ A checkpoint is one ``torch.distributed.checkpoint`` (DCP) directory of plain te
 * ``model/<name>@<start>``: a 1-D piece of the flattened parameter (or buffer) ``<name>``, holding
   its elements ``[start, start + numel)``;
 * ``optim/<name>/<key>@<start>``: the same for a parameter-shaped optimizer state (``exp_avg``);
-* ``optim/<name>/<key>``: a scalar state (Adam's ``step``);
-* ``extra/param_groups``: the optimizer's hyperparameters per group, pickled.
+* ``model/<name>``, ``optim/<name>/<key>``: a 0-dim tensor (BatchNorm's ``num_batches_tracked``,
+  Adam's ``step``) or a Python scalar, whole, under its plain name: one key scheme for every
+  plugin (ZeRO and Gemini once wrote 0-dim buffers as ``@0`` pieces; readers still accept that);
+* ``extra/param_groups``: the optimizer's hyperparameters per group, pickled;
+* ``extra/entries/rank<r>``: every entry's logical shape and dtype ([Note: strict loading] in
+  :mod:`colossalai.checkpoint.entries`).
 
 Any non-overlapping pieces that cover a tensor are a valid checkpoint of it, so every layout writes
 what it holds and nothing more: ZeRO and Gemini ranks write their own slices of the flat buffers
@@ -27,15 +31,31 @@ express every layout here, and the overlap search is a few lines (:class:`SliceR
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["SliceReader", "GROUPS_KEY", "pieces_from_state", "fill_state", "groups_blob", "apply_groups", "aliases"]
+from colossalai.checkpoint.entries import ENTRIES_PREFIX, Entry, entry_of_key
+from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompatibleEntries, unreadable
+from colossalai.checkpoint.integrity import verify_files
+
+__all__ = [
+    "SliceReader",
+    "GROUPS_KEY",
+    "pieces_from_state",
+    "fill_state",
+    "groups_blob",
+    "apply_groups",
+    "aliases",
+    "model_entries",
+]
 
 GROUPS_KEY = "extra/param_groups"
 """Key of the pickled optimizer hyperparameters (one dict per param group, without ``params``)."""
@@ -49,6 +69,16 @@ def aliases(module: nn.Module) -> dict[str, str]:
         if first.setdefault(id(p), n) != n:
             out[n] = first[id(p)]
     return out
+
+
+def model_entries(state: dict, alias: dict[str, str]) -> dict[str, Entry]:
+    """``model/<name> -> (logical shape, dtype)`` of a name-keyed model state dict (a DTensor has
+    its global shape); tied names after the first are left out (they are saved once)."""
+    return {
+        f"model/{n}": (tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for n, t in state.items()
+        if n not in alias and isinstance(t, torch.Tensor)
+    }
 
 
 def groups_blob(groups: list[dict]) -> torch.Tensor:
@@ -107,38 +137,88 @@ def pieces_from_state(model_sd: dict, optim_sd: dict | None, alias: dict[str, st
 class SliceReader:
     """A flat-slice checkpoint directory: its metadata, and loads of just the pieces asked for.
 
-    ``read_keys`` / ``read_numel`` count what this rank loaded (for tests and diagnostics).
+    Every file is verified before DCP reads it ([Note: checksums] in
+    :mod:`colossalai.checkpoint.integrity`); a file that cannot be read raises
+    :class:`~colossalai.checkpoint.CheckpointError` naming it. ``skip`` holds the entries a
+    non-strict load leaves alone. ``read_keys`` / ``read_numel`` count what this rank loaded (for
+    tests and diagnostics).
     """
 
     def __init__(self, path) -> None:
         self.path = str(path)
-        self.metadata = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        meta_file = pathlib.Path(self.path) / ".metadata"
+        verify_files(self.path, [".metadata"])
+        try:
+            metadata = dcp.FileSystemReader(self.path).read_metadata()
+        except Exception as e:  # UnpicklingError, EOFError, ... of a damaged file
+            raise unreadable(meta_file, "the checkpoint metadata", e) from e
+        self.metadata = metadata.state_dict_metadata
+        self._storage = metadata.storage_data or {}
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
         for key, m in self.metadata.items():
             head, _, start = key.rpartition("@")
             if head and start.isdigit() and len(getattr(m, "size", ())) == 1:
                 self.pieces.setdefault(head, []).append((int(start), m.size[0], key))
+        self.skip: set[str] = set()
+        self._verified: set[str] = set()  # files checked once per reader
         self.read_keys: list[str] = []
         self.read_numel = 0
 
-    def check(self, names) -> None:
-        """ValueError when a parameter of ``names`` has no pieces, or a tensor's pieces overlap or
-        leave a gap: decided from the metadata alone, so on every rank alike, before any collective."""
-        missing = [n for n in names if f"model/{n}" not in self.pieces]
-        if missing:
-            raise ValueError(f"{self.path} has no pieces of the parameters {missing[:4]} ({len(missing)} missing)")
+    def check(self) -> None:
+        """CheckpointError when a tensor's pieces overlap or leave a gap: decided from the metadata
+        alone, so on every rank alike, before any collective."""
         for prefix, pieces in self.pieces.items():
             end = 0
             for start, n, key in sorted(pieces):
                 if start != end:
-                    raise ValueError(f"{self.path}: the pieces of {prefix!r} overlap or leave a gap at {key!r}")
+                    raise CheckpointError(f"{self.path}: the pieces of {prefix!r} overlap or leave a gap at {key!r}")
                 end = start + n
+
+    def held(self) -> dict[str, int]:
+        """Elements stored per entry (``model/<name>``, ``optim/<name>/<key>``)."""
+        return {prefix: sum(n for _, n, _ in pieces) for prefix, pieces in self.pieces.items()}
+
+    def entries(self) -> dict[str, Entry]:
+        """Every entry's ``(logical shape, dtype)``: the union of the saving ranks' tables, or, for a
+        checkpoint without tables, what the metadata tells (shape unknown for pieces)."""
+        tables = [k for k in self.metadata if k.startswith(ENTRIES_PREFIX)]
+        if tables:
+            out: dict[str, Entry] = {}
+            for blob in self.read(tables).values():
+                for key, (shape, dtype) in json.loads(blob.numpy().tobytes()).items():
+                    out[key] = (tuple(shape), dtype)
+            return out
+        out = {}
+        for key, m in self.metadata.items():
+            if key.startswith("extra/") or not hasattr(m, "properties"):
+                continue
+            entry = entry_of_key(key)
+            shape = None if entry != key else tuple(m.size)
+            out[entry] = (shape, str(m.properties.dtype).removeprefix("torch."))
+        return out
+
+    def _verify(self, keys) -> None:
+        """Check the files holding ``keys`` before DCP reads them (they must reach each piece's end)."""
+        wanted, ends = set(keys), {}
+        for index, info in self._storage.items():
+            if index.fqn in wanted and info.relative_path not in self._verified:
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        verify_files(self.path, ends, ends)
+        self._verified.update(ends)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Fill ``tensors`` (keys of this checkpoint) in place: one ``dcp.load``, collective."""
         self.read_keys += list(tensors)
         self.read_numel += sum(t.numel() for t in tensors.values())
-        dcp.load(tensors, checkpoint_id=self.path)
+        self._verify(tensors)
+        try:
+            dcp.load(tensors, checkpoint_id=self.path)
+        except CheckpointException as e:  # a BaseException: re-raise as an ordinary one
+            raise CheckpointError(
+                f"torch.distributed.checkpoint failed to read {self.path!r} (a file changed while loading, "
+                f"or another rank failed):\n{str(e)[:2000]}",
+                self.path,
+            ) from e
 
     def overlapping(self, prefix: str, lo: int, hi: int) -> list[str]:
         """Keys of the pieces of ``prefix`` that overlap elements ``[lo, hi)``."""
@@ -149,6 +229,14 @@ class SliceReader:
         out = {k: torch.empty(self.metadata[k].size, dtype=self.metadata[k].properties.dtype) for k in sorted(keys)}
         self.load(out)
         return out
+
+    def scalar_key(self, prefix: str) -> str | None:
+        """The key of a 0-dim entry: ``prefix`` itself, or the 1-element ``prefix@0`` piece older
+        ZeRO/Gemini checkpoints wrote for 0-dim buffers; None when absent."""
+        if prefix in self.metadata:
+            return prefix
+        legacy = self.pieces.get(prefix, ())
+        return legacy[0][2] if len(legacy) == 1 and legacy[0][1] == 1 else None
 
     def assemble(self, prefix: str, lo: int, hi: int, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``prefix`` from the loaded pieces; ValueError when not covered."""
@@ -164,9 +252,13 @@ class SliceReader:
         return out
 
     def groups(self) -> list[dict]:
-        """The saved optimizer hyperparameters (ValueError for a model-only checkpoint)."""
+        """The saved optimizer hyperparameters (CheckpointMismatchError for a model-only checkpoint)."""
         if GROUPS_KEY not in self.metadata:
-            raise ValueError(f"{self.path} holds no optimizer state (a model-only checkpoint?)")
+            raise CheckpointMismatchError(
+                self.path,
+                IncompatibleEntries([GROUPS_KEY], [], []),
+                "it holds no optimizer state (a model-only checkpoint from save_model?): load it with load_model",
+            )
         return pickle.loads(self.read([GROUPS_KEY])[GROUPS_KEY].numpy().tobytes())
 
 
@@ -182,9 +274,10 @@ def _jobs(model_sd: dict, optim_sd: dict | None, alias: dict[str, str]):
 def _request(reader: SliceReader, prefix: str, value) -> tuple[list[str], tuple | None]:
     """Keys to read for one tensor and ``(local, lo, hi, box)`` to fill it (None: a scalar)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        if prefix not in reader.metadata:
+        key = reader.scalar_key(prefix)
+        if key is None:
             raise ValueError(f"the checkpoint has no entry {prefix!r}")
-        return [prefix], None
+        return [key], (key,)
     held = sum(n for _, n, _ in reader.pieces.get(prefix, ()))
     if held != value.numel():  # the global numel: every rank decides alike, before any collective
         raise ValueError(f"the checkpoint holds {held} of the {value.numel()} elements of {prefix!r}")
@@ -195,20 +288,31 @@ def _request(reader: SliceReader, prefix: str, value) -> tuple[list[str], tuple 
     return reader.overlapping(prefix, start, start + local.numel()), (local, start, start + local.numel(), None)
 
 
+def _skipped(reader: SliceReader, prefix: str) -> bool:
+    """A non-strict load's missing entry, or optimizer state the checkpoint does not hold (torch's
+    optimizers have none for a parameter that never had a gradient): left as it is."""
+    if prefix.startswith("optim/"):
+        param = "model/" + prefix[len("optim/") :].rsplit("/", 1)[0]
+        return param in reader.skip or (prefix not in reader.pieces and reader.scalar_key(prefix) is None)
+    return prefix in reader.skip
+
+
 @torch.no_grad()
 def fill_state(reader: SliceReader, model_sd: dict, optim_sd: dict | None, alias: dict[str, str]) -> None:
     """Fill template state dicts (as :func:`pieces_from_state` takes them) in place from ``reader``:
     one load of the overlapping pieces; the optimizer's hyperparameters too."""
     jobs, keys = [], set()
     for prefix, container, k in _jobs(model_sd, optim_sd, alias):
+        if _skipped(reader, prefix):
+            continue
         wanted, target = _request(reader, prefix, container[k])
         keys.update(wanted)
         jobs.append((prefix, container, k, target))
     loaded = reader.read(keys)
     for prefix, container, k, target in jobs:
-        if target is None:
-            value = container[k]
-            container[k] = value.copy_(loaded[prefix]) if isinstance(value, torch.Tensor) else loaded[prefix].item()
+        if len(target) == 1:  # a scalar
+            value, saved = container[k], loaded[target[0]].reshape(())
+            container[k] = value.copy_(saved) if isinstance(value, torch.Tensor) else saved.item()
             continue
         local, lo, hi, box = target
         if local.numel():
