@@ -1,6 +1,6 @@
 """Fail when a package imports a sibling it does not declare, or one ARCHITECTURE.md forbids.
 
-Four rules, checked statically over every ``packages/*/src`` file (tests and benches may use the
+Five rules, checked statically over every ``packages/*/src`` file (tests and benches may use the
 ``test``/bench extras, so only ``src`` is checked):
 
 1. a sibling import must be declared in ``[project].dependencies``;
@@ -8,7 +8,8 @@ Four rules, checked statically over every ``packages/*/src`` file (tests and ben
 3. a sibling is reached only through its public names: ``colossal.comm`` but never
    ``colossal.comm._private``;
 4. a test-only package (``TEST_ONLY``: colossal-testkit) is never a run-time dependency and never
-   imported by any ``src``; packages list it in their ``test`` extra.
+   imported by any ``src``; packages list it in their ``test`` extra;
+5. no import circle between the modules of one package (top-level, lazy or ``TYPE_CHECKING``).
 
 Run as ``python tools/check_arrows.py`` (the ``lint`` nox session does); exits 1 with one line per
 violation.
@@ -168,11 +169,10 @@ def main() -> int:
     for line in bad:
         print(line)
     print(f"import arrows: {len(bad)} violation(s)")
-    # Reported, not yet failing: colossal-zero's checkpoint <-> optimizer circle is being broken
-    # in parallel (issue 17); once it is, fold these into the exit status.
-    for cycle in import_cycles():
+    cycles = import_cycles()
+    for cycle in cycles:
         print("import circle: " + " <-> ".join(cycle))
-    return 1 if bad else 0
+    return 1 if bad or cycles else 0
 
 
 if __name__ == "__main__":

@@ -55,10 +55,10 @@ def test_import_circles_are_found_however_imported(tmp_path):
     assert check_arrows.import_cycles(tmp_path) == []
 
 
-def test_comm_has_no_import_circle():
-    """issue 17: colossal.comm.mesh <-> colossal.comm.layouts."""
-    comm = [c for c in check_arrows.import_cycles() if c[0].startswith("colossal.comm.")]
-    assert comm == []
+def test_no_package_has_an_import_circle():
+    """issue 17: colossal.comm.mesh <-> colossal.comm.layouts and colossal.zero.checkpoint <->
+    colossal.zero.optimizer were circles; none may come back."""
+    assert check_arrows.import_cycles() == []
 
 
 def test_the_repository_itself_is_clean():
