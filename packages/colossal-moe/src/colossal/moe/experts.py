@@ -37,17 +37,23 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) whose kernel raised once
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm``'s backward
-    rejects the zero-stride gradients that ``y.sum().backward()`` produces)."""
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with its backward written out: the built-in one rejects the
+    zero-stride gradients that ``y.sum().backward()`` produces, and its output is a plain tensor
+    (no view), so a bias can be added to it in place."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w, offs=offs)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        gx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
+        gw = torch._grouped_mm(x.t(), grad, offs=offs) if ctx.needs_input_grad[1] else None  # (G, K, N)
+        return gx, gw, None
 
 
 def _grouped_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -75,17 +81,37 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     if _grouped_applies(x, w):
         offs = counts.cumsum(0).to(device=x.device, dtype=torch.int32)
         try:
-            return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), w, offs=offs))
+            return _GroupedMM.apply(x.contiguous(), w, offs)
         except RuntimeError:  # a device/dtype this torch build has no kernel for
             _REFUSED.add((x.device.type, x.dtype))
     return _segment_loop(x, w, counts.tolist())
 
 
-def _bias(b: torch.Tensor | None, counts: torch.Tensor, rows: int) -> torch.Tensor | int:
-    """Per-row bias ``b[expert of row]`` (M, N) for rows sorted by expert, or 0 without bias."""
-    if b is None:
-        return 0
-    return b.repeat_interleave(counts.to(b.device), dim=0, output_size=rows)
+class _SegmentBias(torch.autograd.Function):
+    """``h[rows of expert e] += b[e]`` in place, without materialising a per-row ``(M, F)`` bias.
+
+    ``h`` is a fresh grouped-matmul output that nothing saved, so adding in place is safe;
+    the backward sums the gradient per segment (one ``index_add``)."""
+
+    @staticmethod
+    def forward(ctx, h, b, counts):
+        ctx.save_for_backward(counts)
+        ctx.mark_dirty(h)
+        with torch.no_grad():
+            for e, seg in enumerate(h.split(counts.tolist())):
+                seg.add_(b[e])
+        return h
+
+    @staticmethod
+    def backward(ctx, grad):
+        (counts,) = ctx.saved_tensors
+        rows = torch.arange(counts.numel(), device=grad.device).repeat_interleave(counts.to(grad.device))
+        return grad, grad.new_zeros(counts.numel(), grad.shape[1]).index_add_(0, rows, grad), None
+
+
+def _add_bias(h: torch.Tensor, b: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    """``h`` (M, N) rows sorted by expert plus ``b[expert of row]``; ``h`` itself without bias."""
+    return h if b is None else _SegmentBias.apply(h, b, counts)
 
 
 _ACTIVATIONS = {
@@ -124,8 +150,8 @@ class MLPExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (M, C) sorted by local expert, ``counts`` (E_local,) -> (M, C)."""
-        h = grouped_mm(x, self.w_in, counts) + _bias(self.b_in, counts, x.shape[0])  # (M, F)
-        return grouped_mm(self.activation(h), self.w_out, counts) + _bias(self.b_out, counts, x.shape[0])
+        h = _add_bias(grouped_mm(x, self.w_in, counts), self.b_in, counts)  # (M, F)
+        return _add_bias(grouped_mm(self.activation(h), self.w_out, counts), self.b_out, counts)  # (M, C)
 
 
 class SwiGLUExperts(nn.Module):

@@ -1,0 +1,147 @@
+"""One MoE layer forward+backward: ours against DeepSpeed's ``deepspeed.moe.layer.MoE`` and a dense
+MLP with the same active parameters, on 1, 2 and 4 gloo ranks (expert parallelism = world size).
+
+Each row runs in fresh rank processes and prints per rank: milliseconds per step (median over
+``--steps`` after one warm-up), tokens/s per rank, peak RSS (``VmHWM``), and all-to-all bytes per
+step (counted by wrapping ``torch.distributed.all_to_all_single``, which both implementations
+call). Ratios are against DeepSpeed of the same k (and, on one rank, ours dropless against the
+dense MLP). Writes JSON to ``$COLOSSAL_BENCH_OUT`` (default ``./bench-results``).
+
+    python bench/bench_moe.py                                   # hidden 512, 8 experts, 4096 tokens/rank
+    python bench/bench_moe.py --tokens 512 --hidden 128 --steps 2 --worlds 2   # quick
+
+DeepSpeed is optional (``bench/requirements.txt``); its rows are skipped when it is missing. It
+runs on its CPU accelerator (``DS_ACCELERATOR=cpu``) with groups made by hand through
+``set_deepspeed_parallelism()`` (no DeepSpeed engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colossal.comm.testing import run_distributed
+from colossal.moe import MoE, MoEConfig, expert_groups
+
+
+def _peak_rss_mib() -> float:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _count_a2a() -> list[int]:
+    """Wrap ``dist.all_to_all_single`` to add each call's input bytes to the returned counter."""
+    total, inner = [0], dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        total[0] += input.numel() * input.element_size()
+        return inner(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting
+    return total
+
+
+def _build(impl: str, k: int, args, ep: int):
+    """The module and a function ``x -> loss`` for one row."""
+    c, f, e = args.hidden, 4 * args.hidden, args.experts
+    torch.manual_seed(0)
+    if impl == "dense":  # same active parameters: k experts' worth of width
+        mlp = nn.Sequential(nn.Linear(c, k * f), nn.GELU(approximate="tanh"), nn.Linear(k * f, c))
+        return mlp, lambda x: mlp(x).square().mean()
+    if impl == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        from deepspeed.moe.layer import MoE as DSMoE
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        expert = nn.Sequential(nn.Linear(c, f), nn.GELU(approximate="tanh"), nn.Linear(f, c))
+        moe = DSMoE(hidden_size=c, expert=expert, num_experts=e, ep_size=ep, k=k, capacity_factor=1.0, min_capacity=4)
+        moe.set_deepspeed_parallelism()
+
+        def loss(x):
+            out, l_aux, _ = moe(x)
+            return out.square().mean() + 0.01 * l_aux
+
+        return moe, loss
+    cf = None if impl == "ours-dropless" else 1.0
+    cfg = MoEConfig(hidden=c, ffn_hidden=f, num_experts=e, top_k=k, capacity_factor=cf, z_loss_coef=0.0)
+    moe = MoE(cfg, expert_groups(ep).ep if ep > 1 else None)
+    return moe, lambda x: moe(x).square().mean() + moe.aux_loss
+
+
+def _row(impl: str, k: int, args) -> dict:
+    world = dist.get_world_size()
+    module, loss_fn = _build(impl, k, args, world)
+    a2a = _count_a2a()
+    x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    times, bytes_step = [], 0
+    for step in range(args.steps + 1):
+        module.zero_grad(set_to_none=True)
+        dist.barrier()
+        a2a[0] = 0
+        t0 = time.perf_counter()
+        loss_fn(x).backward()
+        times.append(time.perf_counter() - t0)
+        bytes_step = a2a[0]
+    ms = 1000 * statistics.median(times[1:])
+    return dict(impl=impl, k=k, world=world, ms=ms, tokens_per_s=args.tokens / ms * 1000,
+                peak_rss_mib=_peak_rss_mib(), a2a_mib=bytes_step / 2**20)  # fmt: skip
+
+
+def _have_deepspeed() -> bool:
+    try:
+        import importlib.util
+
+        return importlib.util.find_spec("deepspeed") is not None
+    except ImportError:
+        return False
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    args = p.parse_args()
+    impls = ["ours", "ours-dropless", "dense"] + (["deepspeed"] if _have_deepspeed() else [])
+    rows = []
+    print(f"hidden {args.hidden}, {args.experts} experts, {args.tokens} tokens/rank, 1 thread/rank, ep = world")
+    print(f"{'world':>5} {'k':>2} {'impl':<14} {'ms/step':>9} {'tok/s/rank':>11} {'peak RSS MiB':>13} "
+          f"{'a2a MiB':>8} {'vs DS':>6}")  # fmt: skip
+    for world in args.worlds:
+        for k in (1, 2):
+            found = {}
+            for impl in impls:
+                per_rank = run_distributed(_row, world, impl, k, args, timeout=600)
+                r = dict(per_rank[0], ms=max(x["ms"] for x in per_rank),
+                         peak_rss_mib=max(x["peak_rss_mib"] for x in per_rank))  # fmt: skip
+                r["tokens_per_s"] = args.tokens / r["ms"] * 1000
+                found[impl] = r
+                rows.append(r)
+            for impl, r in found.items():
+                ds = found.get("deepspeed")
+                ratio = f"{ds['ms'] / r['ms']:.2f}" if ds else "-"
+                print(f"{world:>5} {k:>2} {impl:<14} {r['ms']:>9.1f} {r['tokens_per_s']:>11.0f} "
+                      f"{r['peak_rss_mib']:>13.0f} {r['a2a_mib']:>8.2f} {ratio:>6}")  # fmt: skip
+            if world == 1:
+                print(f"      dropless / dense = {found['ours-dropless']['ms'] / found['dense']['ms']:.2f} (target <= 1.3)")
+    out = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_layer.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
+    print(f"\nwrote {out / 'moe_layer.json'}")
+
+
+if __name__ == "__main__":
+    main()
