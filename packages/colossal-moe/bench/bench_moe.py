@@ -1,11 +1,14 @@
 """One MoE layer forward+backward: ours against DeepSpeed's ``deepspeed.moe.layer.MoE`` and a dense
 MLP with the same active parameters, on 1, 2 and 4 gloo ranks (expert parallelism = world size).
 
-Each row runs in fresh rank processes and prints per rank: milliseconds per step (median over
-``--steps`` after one warm-up), tokens/s per rank, peak RSS (``VmHWM``), and all-to-all bytes per
-step (counted by wrapping ``torch.distributed.all_to_all_single``, which both implementations
-call). Ratios are against DeepSpeed of the same k (and, on one rank, ours dropless against the
-dense MLP). Writes JSON to ``$COLOSSAL_BENCH_OUT`` (default ``./bench-results``).
+Speed: all implementations are built in the same ranks and run in turn, step after step (so a
+busy shared machine slows them alike); milliseconds per step are the median over ``--steps``
+after one warm-up, of the slowest rank. Memory: peak RSS (``VmHWM``) of fresh rank processes per
+row that build one implementation and run two steps. All-to-all bytes per step are counted by
+wrapping ``torch.distributed.all_to_all_single``, which both implementations call. ``DS/ours``
+is DeepSpeed's step time over the row's (above 1: faster than DeepSpeed); on one rank the
+dropless layer is also compared with the dense MLP. Writes JSON to ``$COLOSSAL_BENCH_OUT``
+(default ``./bench-results``).
 
     python bench/bench_moe.py                                   # hidden 512, 8 experts, 4096 tokens/rank
     python bench/bench_moe.py --tokens 512 --hidden 128 --steps 2 --worlds 2   # quick
@@ -79,32 +82,56 @@ def _build(impl: str, k: int, args, ep: int):
     return moe, lambda x: moe(x).square().mean() + moe.aux_loss
 
 
-def _row(impl: str, k: int, args) -> dict:
+def _timed(module, loss_fn, x, a2a) -> tuple[float, int]:
+    """One forward+backward: (seconds, all-to-all bytes)."""
+    module.zero_grad(set_to_none=True)
+    dist.barrier()
+    a2a[0] = 0
+    t0 = time.perf_counter()
+    loss_fn(x).backward()
+    return time.perf_counter() - t0, a2a[0]
+
+
+def _speed(impls: list[str], k: int, args) -> dict:
+    """Every implementation built in the same ranks and run in turn, step after step, so that
+    they share whatever load the machine has: {impl: (median ms, a2a bytes)}."""
     world = dist.get_world_size()
-    module, loss_fn = _build(impl, k, args, world)
+    built = {impl: _build(impl, k, args, world) for impl in impls}
     a2a = _count_a2a()
     x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
-    times, bytes_step = [], 0
+    times = {impl: [] for impl in impls}
+    nbytes = {}
     for _ in range(args.steps + 1):
-        module.zero_grad(set_to_none=True)
-        dist.barrier()
-        a2a[0] = 0
-        t0 = time.perf_counter()
-        loss_fn(x).backward()
-        times.append(time.perf_counter() - t0)
-        bytes_step = a2a[0]
-    ms = 1000 * statistics.median(times[1:])
-    return dict(impl=impl, k=k, world=world, ms=ms, tokens_per_s=args.tokens / ms * 1000,
-                peak_rss_mib=_peak_rss_mib(), a2a_mib=bytes_step / 2**20)  # fmt: skip
+        for impl, (module, loss_fn) in built.items():
+            sec, nbytes[impl] = _timed(module, loss_fn, x, a2a)
+            times[impl].append(sec)
+    return {impl: (1000 * statistics.median(t[1:]), nbytes[impl]) for impl, t in times.items()}
+
+
+def _memory(impl: str, k: int, args) -> float:
+    """Peak RSS (MiB) of a fresh rank that builds one implementation and runs two steps."""
+    module, loss_fn = _build(impl, k, args, dist.get_world_size())
+    x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        _timed(module, loss_fn, x, [0])
+    return _peak_rss_mib()
 
 
 def _have_deepspeed() -> bool:
-    try:
-        import importlib.util
+    import importlib.util
 
-        return importlib.util.find_spec("deepspeed") is not None
-    except ImportError:
-        return False
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _table(world: int, k: int, impls: list[str], args) -> list[dict]:
+    speed = run_distributed(_speed, world, impls, k, args, timeout=1800)
+    rows = []
+    for impl in impls:
+        mem = run_distributed(_memory, world, impl, k, args, timeout=900)
+        ms = max(r[impl][0] for r in speed)  # the slowest rank sets the step
+        rows.append(dict(impl=impl, k=k, world=world, ms=ms, tokens_per_s=args.tokens / ms * 1000,
+                         peak_rss_mib=max(mem), a2a_mib=max(r[impl][1] for r in speed) / 2**20))  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -122,22 +149,16 @@ def main() -> None:
           f"{'a2a MiB':>8} {'DS/ours':>7}")  # fmt: skip
     for world in args.worlds:
         for k in (1, 2):
-            found = {}
-            for impl in impls:
-                per_rank = run_distributed(_row, world, impl, k, args, timeout=600)
-                r = dict(per_rank[0], ms=max(x["ms"] for x in per_rank),
-                         peak_rss_mib=max(x["peak_rss_mib"] for x in per_rank))  # fmt: skip
-                r["tokens_per_s"] = args.tokens / r["ms"] * 1000
-                found[impl] = r
-                rows.append(r)
+            found = {r["impl"]: r for r in _table(world, k, impls, args)}
+            rows += found.values()
+            ds = found.get("deepspeed")
             for impl, r in found.items():
-                ds = found.get("deepspeed")
                 ratio = f"{ds['ms'] / r['ms']:.2f}" if ds else "-"
                 print(f"{world:>5} {k:>2} {impl:<14} {r['ms']:>9.1f} {r['tokens_per_s']:>11.0f} "
-                      f"{r['peak_rss_mib']:>13.0f} {r['a2a_mib']:>8.2f} {ratio:>7}")  # fmt: skip
+                      f"{r['peak_rss_mib']:>13.0f} {r['a2a_mib']:>8.2f} {ratio:>7}", flush=True)  # fmt: skip
             if world == 1:
                 ratio = found["ours-dropless"]["ms"] / found["dense"]["ms"]
-                print(f"      dropless / dense = {ratio:.2f} (target <= 1.3)")
+                print(f"      dropless / dense = {ratio:.2f} (target <= 1.3)", flush=True)
     out = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_layer.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2))
