@@ -68,3 +68,18 @@ def test_grouped_mm_matches_segment_products(dtype, width):
     assert w.grad[1].abs().sum() == 0 and w.grad[0].abs().sum() > 0
     with pytest.raises(ValueError, match="x has 15 rows but counts sum to 14"):
         grouped_mm(x, w, counts - torch.tensor([0, 0, 1, 0, 0]))
+
+
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
+def test_bfloat16_layer_follows_float32(expert):
+    """bf16 experts (grouped matmul in bf16) with the router in fp32: within bf16 rounding of fp32."""
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden=64, ffn_hidden=128, num_experts=4, top_k=2, capacity_factor=None, expert=expert))
+    x = torch.randn(100, 64)
+    ref = moe(x)
+    low = MoE.from_dense(moe, None).to(torch.bfloat16)
+    xb = x.bfloat16().requires_grad_()
+    y = low(xb)
+    y.float().square().mean().backward()
+    assert y.dtype == torch.bfloat16 and low.experts.w_in.grad.dtype == torch.bfloat16
+    assert_close(y.float(), ref, "bf16 output", tol=2e-2)

@@ -93,7 +93,7 @@ class MoE(nn.Module):
         xs = x2[token[kept]]  # (M, C)
         ys = self._run_experts(xs, counts)  # (M, C)
         w = routing.weight.reshape(-1)[kept].to(ys.dtype)  # (M,)
-        out = torch.zeros_like(x2).index_add(0, token[kept], ys * w[:, None])  # (N, C)
+        out = torch.zeros_like(x2).index_add_(0, token[kept], ys * w[:, None])  # (N, C)
         self._record(routing, x2.shape[0], counts)
         return out.view(shape)
 
