@@ -90,10 +90,12 @@ class MoE(nn.Module):
         kept = routing.keep.reshape(-1).nonzero().squeeze(1)  # (M,) kept assignments
         order, counts = sort_by_expert(routing.expert.reshape(-1)[kept], self.config.num_experts)
         kept = kept[order]  # sorted by global expert
-        xs = x2[token[kept]]  # (M, C)
+        rows = token[kept]  # (M,) source token of each sorted row
+        # index_select rather than x2[rows]: its backward is an index_add, not an accumulating index_put
+        xs = x2.index_select(0, rows)  # (M, C)
         ys = self._run_experts(xs, counts)  # (M, C)
-        w = routing.weight.reshape(-1)[kept].to(ys.dtype)  # (M,)
-        out = torch.zeros_like(x2).index_add_(0, token[kept], ys * w[:, None])  # (N, C)
+        w = routing.weight.reshape(-1).index_select(0, kept).to(ys.dtype)  # (M,)
+        out = torch.zeros_like(x2).index_add_(0, rows, ys * w[:, None])  # (N, C)
         self._record(routing, x2.shape[0], counts)
         return out.view(shape)
 
@@ -108,7 +110,7 @@ class MoE(nn.Module):
         xr = all_to_all_uneven(xs, send_splits, recv_splits, self.ep_group, tag="moe.dispatch")  # (R, C)
         local = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv.reshape(-1).to(xs.device))
         order = torch.argsort(local, stable=True)  # (R,) by local expert, then source rank
-        y = torch.empty_like(xr).index_copy(0, order, self.experts(xr[order], recv.sum(0)))  # (R, C)
+        y = torch.empty_like(xr).index_copy(0, order, self.experts(xr.index_select(0, order), recv.sum(0)))  # (R, C)
         return all_to_all_uneven(y, recv_splits, send_splits, self.ep_group, tag="moe.combine")
 
     def _record(self, routing: Routing, tokens: int, counts: torch.Tensor) -> None:
