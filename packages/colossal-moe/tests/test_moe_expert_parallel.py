@@ -133,3 +133,18 @@ def _errors() -> None:
 
 def test_errors_raise_on_every_rank_before_any_collective():
     run_distributed(_errors, 4, timeout=60)
+
+
+def _sub_group_layout() -> None:
+    mesh = cc.Mesh(axes={"dp": 2, "tp": 2})  # dp groups {0, 2} and {1, 3}
+    groups = expert_groups(2, mesh.group("dp"))
+    rank = dist.get_rank()
+    assert cc.group_ranks(groups.ep) == ((0, 2) if rank % 2 == 0 else (1, 3))
+    assert cc.group_ranks(groups.edp) == (rank,) and groups.dp_size == 2
+    x = torch.full((1,), float(rank))
+    cc.all_reduce(x, group=groups.ep)
+    assert x.item() == (2.0 if rank % 2 == 0 else 4.0)
+
+
+def test_expert_groups_inside_a_data_parallel_sub_group():
+    run_distributed(_sub_group_layout, 4, timeout=60)

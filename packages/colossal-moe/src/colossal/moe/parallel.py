@@ -45,23 +45,33 @@ class ExpertGroups:
 def expert_groups(ep_size: int, dp_group: ProcessGroup | None = None) -> ExpertGroups:
     """Split the data-parallel ranks (default: the world) into ``ep`` x ``edp`` groups.
 
-    Validates before creating any group: ``ep_size`` must be a positive int dividing the size of
-    ``dp_group``. Must be called by every rank (group creation is collective).
+    Validates before any collective: ``ep_size`` must be a positive int dividing the size of
+    ``dp_group``. Every rank of the world must call it (group creation is collective), each with
+    its own data-parallel group when ``dp_group`` is a sub-group (e.g. the ``dp`` axis of a
+    ``dp x tp`` mesh): the ranks first learn every data-parallel group's members, then all of them
+    create every group in the same order, as torch requires.
     """
     dp_size = dist.get_world_size(dp_group)
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"ep_size must be a positive int, got {ep_size!r}")
     if dp_size % ep_size:
         raise ValueError(f"ep_size={ep_size} does not divide the data-parallel world size {dp_size}")
-    ranks = cc.group_ranks(dp_group)
-    ep, edp = None, None
-    me = dist.get_rank()
-    for i in range(dp_size // ep_size):  # every rank creates every group, in the same order
-        g = dist.new_group(list(ranks[i * ep_size : (i + 1) * ep_size]))
-        ep = g if me in ranks[i * ep_size : (i + 1) * ep_size] else ep
-    for j in range(ep_size):
-        g = dist.new_group(list(ranks[j::ep_size]))
-        edp = g if me in ranks[j::ep_size] else edp
+    mine = tuple(cc.group_ranks(dp_group))
+    layouts = [mine]
+    if dp_size != dist.get_world_size():  # a sub-group: learn the others' members
+        ranks = torch.tensor(mine, dtype=torch.int64, device=cc.default_device())
+        every = cc.all_gather(ranks, tag="moe.expert_groups").view(-1, dp_size).tolist()
+        layouts = sorted({tuple(r) for r in every})
+    me, ep, edp = dist.get_rank(), None, None
+    for ranks in layouts:
+        for i in range(0, dp_size, ep_size):  # ep: consecutive ranks of the dp group
+            members = list(ranks[i : i + ep_size])
+            g = dist.new_group(members)
+            ep = g if me in members else ep
+        for j in range(ep_size):  # edp: the ranks holding the same experts, strided by ep
+            members = list(ranks[j::ep_size])
+            g = dist.new_group(members)
+            edp = g if me in members else edp
     return ExpertGroups(ep=ep, edp=edp, dp=dp_group, ep_size=ep_size, dp_size=dp_size)
 
 
