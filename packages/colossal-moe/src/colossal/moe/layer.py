@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
 from colossal.moe.config import MoEConfig
 from colossal.moe.dispatch import all_to_all_uneven, exchange_counts, sort_by_expert
@@ -84,34 +85,41 @@ class MoE(nn.Module):
         """(..., C) -> (..., C); dropped tokens get zero output."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (N, C)
-        routing = self.router(x2)
-        k = self.config.top_k
-        token = torch.arange(x2.shape[0], device=x.device).repeat_interleave(k)  # (N*k,) token of each assignment
-        kept = routing.keep.reshape(-1).nonzero().squeeze(1)  # (M,) kept assignments
-        order, counts = sort_by_expert(routing.expert.reshape(-1)[kept], self.config.num_experts)
-        kept = kept[order]  # sorted by global expert
-        rows = token[kept]  # (M,) source token of each sorted row
-        # index_select rather than x2[rows]: its backward is an index_add, not an accumulating index_put
-        xs = x2.index_select(0, rows)  # (M, C)
+        with record_function("colossal.moe::route"):
+            routing = self.router(x2)
+            k = self.config.top_k
+            token = torch.arange(x2.shape[0], device=x.device).repeat_interleave(k)  # (N*k,) token per assignment
+            kept = routing.keep.reshape(-1).nonzero().squeeze(1)  # (M,) kept assignments
+            order, counts = sort_by_expert(routing.expert.reshape(-1)[kept], self.config.num_experts)
+            kept = kept[order]  # sorted by global expert
+            rows = token[kept]  # (M,) source token of each sorted row
+            # index_select rather than x2[rows]: its backward is an index_add, not an accumulating index_put
+            xs = x2.index_select(0, rows)  # (M, C)
         ys = self._run_experts(xs, counts)  # (M, C)
-        w = routing.weight.reshape(-1).index_select(0, kept).to(ys.dtype)  # (M,)
-        out = torch.zeros_like(x2).index_add_(0, rows, ys * w[:, None])  # (N, C)
+        with record_function("colossal.moe::combine_tokens"):
+            w = routing.weight.reshape(-1).index_select(0, kept).to(ys.dtype)  # (M,)
+            out = torch.zeros_like(x2).index_add_(0, rows, ys * w[:, None])  # (N, C)
         self._record(routing, x2.shape[0], counts)
         return out.view(shape)
 
     def _run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert with ``counts`` (E,) -> expert outputs, same order."""
         if self.ep_group is None:
-            return self.experts(xs, counts)
+            with record_function("colossal.moe::experts"):
+                return self.experts(xs, counts)
         ep, el = self.ep_size, self.num_local_experts
-        recv = exchange_counts(counts, self.ep_group)  # (ep, E_local)
-        send_splits = counts.view(ep, el).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
-        xr = all_to_all_uneven(xs, send_splits, recv_splits, self.ep_group, tag="moe.dispatch")  # (R, C)
-        local = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv.reshape(-1).to(xs.device))
-        order = torch.argsort(local, stable=True)  # (R,) by local expert, then source rank
-        y = torch.empty_like(xr).index_copy(0, order, self.experts(xr.index_select(0, order), recv.sum(0)))  # (R, C)
-        return all_to_all_uneven(y, recv_splits, send_splits, self.ep_group, tag="moe.combine")
+        with record_function("colossal.moe::dispatch"):
+            recv = exchange_counts(counts, self.ep_group)  # (ep, E_local)
+            send_splits = counts.view(ep, el).sum(1).tolist()
+            recv_splits = recv.sum(1).tolist()
+            xr = all_to_all_uneven(xs, send_splits, recv_splits, self.ep_group, tag="moe.dispatch")  # (R, C)
+            local = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv.reshape(-1).to(xs.device))
+            order = torch.argsort(local, stable=True)  # (R,) by local expert, then source rank
+        with record_function("colossal.moe::experts"):
+            y = self.experts(xr.index_select(0, order), recv.sum(0))
+        with record_function("colossal.moe::combine"):
+            y = torch.empty_like(xr).index_copy(0, order, y)  # (R, C) back in arrival order
+            return all_to_all_uneven(y, recv_splits, send_splits, self.ep_group, tag="moe.combine")
 
     def _record(self, routing: Routing, tokens: int, counts: torch.Tensor) -> None:
         cfg = self.config
