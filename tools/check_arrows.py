@@ -30,6 +30,7 @@ ALL = {
     "colossal-zero",
     "colossal-gemini",
     "colossal-tensor-parallel",
+    "colossal-moe",
     "colossal-profiler",
     "fastfold",
 }
@@ -39,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "colossal-zero": {"colossal-comm", "colossal-optim"},
     "colossal-gemini": {"colossal-comm", "colossal-optim"},
     "colossal-tensor-parallel": {"colossal-comm"},
+    "colossal-moe": {"colossal-comm"},
     "colossal-profiler": set(),
     "fastfold": {"colossal-comm"},
     "colossalai": ALL,
