@@ -27,6 +27,7 @@ ALL = {
     "colossal-zero",
     "colossal-gemini",
     "colossal-tensor-parallel",
+    "colossal-pipeline",
     "colossal-profiler",
     "fastfold",
 }
@@ -36,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "colossal-zero": {"colossal-comm", "colossal-optim"},
     "colossal-gemini": {"colossal-comm", "colossal-optim"},
     "colossal-tensor-parallel": {"colossal-comm"},
+    "colossal-pipeline": {"colossal-comm"},
     "colossal-profiler": set(),
     "fastfold": {"colossal-comm"},
     "colossalai": ALL,
