@@ -9,9 +9,10 @@ turns the rest into ``meta`` tensors, so a model built on the meta device is nev
 [Note: tied embeddings]
 A tensor registered both before and after the blocks (GPT's ``wte.weight`` is ``lm_head.weight``)
 is one logical weight used by the first and the last chunk. When those live on different ranks,
-each keeps its own copy under its own name; the runtime makes the copies equal at setup (the
-first rank's value wins) and sums their gradients over the two ranks after every step (the
-"embedding group" of Megatron-LM), so both copies take the same optimizer step and stay equal.
+each keeps its own copy (still tied under both names locally, so checkpoints see one tensor); the
+runtime makes the copies equal at setup (the first rank's value wins) and sums their gradients
+over the two ranks after every step (the "embedding group" of Megatron-LM), so both copies take
+the same optimizer step and stay equal.
 """
 
 from __future__ import annotations
@@ -271,26 +272,27 @@ def _replace(model: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) 
 def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, init: Callable | None) -> None:
     """Keep real tensors (on ``device``) for the names in ``owned``; make every other one ``meta``.
 
-    A tensor still on the meta device becomes an uninitialised one, then ``init(module)`` runs on
-    each module holding such a tensor (default: its ``reset_parameters()`` where it has one).
+    A tensor registered under several names (tied) stays one tensor under all of them when any of
+    its names is owned, so the model keeps its tie structure (and checkpoint aliases) on every
+    rank. A tensor still on the meta device becomes an uninitialised one, then ``init(module)``
+    runs on each module holding such a tensor (default: its ``reset_parameters()`` where it has one).
     """
-    made: dict[tuple[int, bool], torch.Tensor] = {}  # shared tensors stay shared within a side
-    fresh_modules: dict[str, nn.Module] = {}
     params = list(model.named_parameters(remove_duplicate=False))
     buffers = list(model.named_buffers(remove_duplicate=False))
+    keep_ids = {id(t) for n, t in params + buffers if n in owned}
+    made: dict[int, torch.Tensor] = {}
+    fresh_modules: dict[str, nn.Module] = {}
     for is_param, items in ((True, params), (False, buffers)):
         for name, t in items:
-            keep = name in owned
-            key = (id(t), keep)
-            if key not in made:
-                if keep:
+            if id(t) not in made:
+                if id(t) in keep_ids:
                     new = torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device)
                     if t.is_meta:
                         fresh_modules[name.rpartition(".")[0]] = model.get_submodule(name.rpartition(".")[0])
                 else:
                     new = torch.empty_like(t, device="meta")
-                made[key] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
-            _replace(model, name, made[key], is_param)
+                made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
+            _replace(model, name, made[id(t)], is_param)
     for mod in fresh_modules.values():
         with torch.no_grad():
             if init is not None:
