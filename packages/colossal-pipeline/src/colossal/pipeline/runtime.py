@@ -247,6 +247,12 @@ class PipelineParallel:
         """This rank's parameters (give these to the optimizer)."""
         yield from self._named.values()
 
+    @property
+    def tied_names(self) -> list[str]:
+        """Names of this rank's parameters that are one of the two copies of a tied weight (held
+        by the first and the last stage; their gradients are summed over the two every step)."""
+        return [name for name, _ in self._tied]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under their original names."""
         owned = {n for c in self.chunks for n in c.param_names}
@@ -344,26 +350,24 @@ class PipelineParallel:
         return total
 
     def _stash_tied_grads(self) -> list[torch.Tensor | None]:
-        saved = []
-        for name, _ in self._tied:
-            p = self._named[name]
-            saved.append(p.grad)
-            p.grad = None
-        return saved
+        """What ``.grad`` of each tied copy holds before the step (a copy: engines such as ZeRO
+        keep ``.grad`` as a view of their buffers, which the step must update in place)."""
+        return [None if self._named[n].grad is None else self._named[n].grad.clone() for n, _ in self._tied]
 
     @torch.no_grad()
     def _reduce_tied_grads(self, saved: list[torch.Tensor | None]) -> None:
-        """Sum this step's gradients of each tied weight over its two ranks, then add back what
-        ``.grad`` held before the step."""
-        for (name, peer), before in zip(self._tied, saved):
+        """Sum each tied weight's gradient of this step over its two copies, in place in ``.grad``
+        (which keeps what it held before the step)."""
+        for (name, peer), before in zip(self._tied, saved, strict=True):
             p = self._named[name]
-            mine = p.grad if p.grad is not None else torch.zeros_like(p)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            mine = p.grad if before is None else p.grad - before
             theirs = torch.empty_like(mine)
-            cc.batch_p2p(
-                [cc.P2POp("send", mine, peer, self.group), cc.P2POp("recv", theirs, peer, self.group)], tag=TIED_TAG
-            )
-            total = mine + theirs
-            p.grad = total if before is None else before + total
+            ops = [cc.P2POp("send", mine.contiguous(), peer, self.group), cc.P2POp("recv", theirs, peer, self.group)]
+            cc.batch_p2p(ops, tag=TIED_TAG)
+            total = mine + theirs  # the same bits on both ranks (addition commutes)
+            p.grad.copy_(total if before is None else before + total)
 
 
 class _Run:
