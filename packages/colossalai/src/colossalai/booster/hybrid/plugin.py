@@ -328,7 +328,12 @@ class HybridParallelPlugin(Plugin):
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The dense model (gathered over tp) on every rank."""
         sd = self.model_state_dict(model)
-        return {n: t.full_tensor().cpu() if isinstance(t, DTensor) else t.cpu() for n, t in sd.items()}
+        full = {n: t.full_tensor().cpu() if isinstance(t, DTensor) else t.cpu() for n, t in sd.items()}
+        if self.pp_size > 1:  # each stage holds its own tensors: merge them over pp
+            parts = [None] * self.pp_size
+            torch.distributed.all_gather_object(parts, full, group=self.mesh.group("pp"))
+            full = {n: t for part in parts for n, t in part.items()}
+        return full
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """torch's name-keyed optimizer state with parameter-shaped entries made portable."""
