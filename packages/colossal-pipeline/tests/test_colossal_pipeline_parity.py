@@ -57,3 +57,31 @@ def test_built_eagerly_matches_too():
 
 def _eager():
     check_pipeline(PipelineConfig(num_microbatches=2, schedule="1f1b"), tied=True, meta=False)
+
+
+def _accumulate():
+    """Two steps without zeroing ``.grad`` accumulate like two ``loss.backward()`` calls (the tied
+    embedding's two copies included)."""
+    import copy
+
+    from pp_testing import TOL, TinyGPT, batch, gpt_embed, gpt_head, lm_loss, reference, rel_err
+
+    from colossal.pipeline import PipelineParallel
+
+    torch.manual_seed(0)
+    ref = TinyGPT(tied=True)
+    sd = copy.deepcopy(ref.state_dict())
+    (_, g1), (_, g2) = reference(ref, [1, 2])
+    with torch.device("meta"):
+        model = TinyGPT(tied=True)
+    pipe = PipelineParallel(model, PipelineConfig(num_microbatches=2, schedule="zero_bubble"), embed=gpt_embed,
+                            head=gpt_head)  # fmt: skip
+    pipe.load_state_dict(sd)
+    for s in (1, 2):
+        pipe.step(*batch(s), lm_loss)
+    for n, p in pipe.named_parameters():
+        assert rel_err(p.grad, g1[n] + g2[n]) <= TOL, n
+
+
+def test_gradients_accumulate_across_steps():
+    run_distributed(_accumulate, 2, timeout=120)

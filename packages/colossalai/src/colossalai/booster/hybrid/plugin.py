@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
+from colossalai.booster.hybrid.dp import apply_ddp, dp_group
 from colossalai.booster.hybrid.pp import (
     SCHEDULES,
     PipelineModule,
@@ -48,14 +49,14 @@ from colossalai.booster.hybrid.pp import (
     stage_view,
 )
 from colossalai.booster.hybrid.shards import ShardIndex, TensorParallelOptimizer, multiplicity
+from colossalai.booster.hybrid.sp import apply_sp
+from colossalai.booster.hybrid.tp import apply_tp
 from colossalai.booster.hybrid.wrappers import (
     SP_KINDS,
     TP_MODES,
     GatherLogits,
     SequenceParallel,
     check_layout,
-    gather_fn,
-    sequence_after_tensor,
 )
 from colossalai.booster.hybrid.zero import HybridZeroOptimizer, zero_engine
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
@@ -175,54 +176,49 @@ class HybridParallelPlugin(Plugin):
         return self._build_mesh().coordinate("dp")
 
     def configure(self, model: nn.Module, optimizer, precision):
-        """Materialise, convert (tensor or sequence parallel), gather logits, wrap in DDP."""
+        """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         if not torch.distributed.is_initialized():
             raise ValueError("HybridParallelPlugin needs torch.distributed initialised (torchrun or launch())")
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
-        if self.pp_size > 1:
-            return self._pipeline(model, optimizer, precision, mesh, names)
-        with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
-            wrapped, ddp_group = self._sequence(model, mesh) if self.sp_size > 1 else self._tensor(model, mesh)
-        rebind_optimizer(optimizer, names, model)
-        if self.zero_stage:  # ZeRO reduces (and shards) over the dp (x sp) group in place of DDP
-            return wrapped, self._zero_optimizer(model, optimizer, ddp_group)
-        if optimizer is not None:
-            axis, size = self._inner
-            replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
-            scaler = _fp16_scaler() if precision is Precision.FP16 else None
-            optimizer = TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
-        if torch.distributed.get_world_size(ddp_group) > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DDP(wrapped, device_ids=ids, process_group=ddp_group)
-        return wrapped, optimizer
-
-    def _pipeline(self, model: nn.Module, optimizer, precision, mesh, names):
-        """tp (when ``tp_size > 1``), then this rank's pipeline stages, then dp (ZeRO or a flat
-        gradient average after each pipeline step)."""
-        gather = None
-        with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
-            if self.tp_size > 1:
-                gather = self._tensor(model, mesh)[0].gather
-            self._pipe = apply_pp(
-                model, mesh, num_microbatches=self.num_microbatches, schedule=self.pp_schedule,
-                virtual=self.pp_virtual, gather=gather, device=self.device,
-            )  # fmt: skip
         self._precision = precision
+        with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
+            wrapped = model
+            if self.tp_size > 1 or self.sp_size == self.pp_size == 1:  # 1. tp converts the dense layers
+                wrapped, self._shards = apply_tp(model, mesh, self.tp_mode, self.tp_depth)
+            if self.sp_size > 1:  # 2. sp: attention over sequence chunks, on the (tp) layers
+                wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes)
+            if self.pp_size > 1:  # 3. pp cuts the converted model into this rank's stages
+                self._pipe = apply_pp(
+                    model, mesh, num_microbatches=self.num_microbatches, schedule=self.pp_schedule,
+                    virtual=self.pp_virtual, gather=getattr(wrapped, "gather", None), device=self.device,
+                )  # fmt: skip
+                wrapped = PipelineModule(model, self._pipe)
         rebind_optimizer(optimizer, names, model)
-        if optimizer is not None:  # only the parameters this rank's stages hold
+        if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if not p.is_meta]
-        replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
-        wrapped = PipelineModule(model, self._pipe)
-        if self.zero_stage:  # ZeRO over dp; the clip spans the world (every stage and tp block)
-            view = stage_view(model)  # ZeRO sees this rank's stages only
-            self._zero, self._zero_names = zero_engine(view, optimizer, self.zero_stage, mesh.group("dp"))
-            return wrapped, HybridZeroOptimizer(self._zero, replicas, group=None)
-        norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
-        return wrapped, (PipelineOptimizer(optimizer, replicas, norm_group) if optimizer is not None else None)
+        # 4. dp last, over exactly the parameters this rank keeps: ZeRO, or DDP (pp: an average per step)
+        group = dp_group(mesh, self.sp_size)
+        if self.zero_stage:
+            return wrapped, self._zero_optimizer(model, optimizer, group)
+        optimizer = self._clipping_optimizer(model, optimizer, precision, mesh)
+        return (wrapped if self._pipe is not None else apply_ddp(wrapped, group, self.device)), optimizer
+
+    def _clipping_optimizer(self, model: nn.Module, optimizer, precision, mesh):
+        """The optimizer view that clips by the dense norm: over tp (or sp), or over pp x tp."""
+        if optimizer is None:
+            return None
+        if self._pipe is not None:
+            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
+            norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
+            return PipelineOptimizer(optimizer, replicas, norm_group)
+        axis, size = self._inner
+        replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
+        scaler = _fp16_scaler() if precision is Precision.FP16 else None
+        return TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
 
     def execute_pipeline(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion) -> torch.Tensor:
         """Forward and backward of the batch ``(x, y)`` through the pipeline, gradients reduced
@@ -243,38 +239,18 @@ class HybridParallelPlugin(Plugin):
         return loss
 
     def _zero_optimizer(self, model: nn.Module, optimizer, group) -> HybridZeroOptimizer:
-        """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp)."""
-        self._zero, self._zero_names = zero_engine(model, optimizer, self.zero_stage, group)
+        """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp),
+        under pp over every stage too (ZeRO then sees this rank's stages only)."""
+        target = stage_view(model) if self._pipe is not None else model
+        self._zero, self._zero_names = zero_engine(target, optimizer, self.zero_stage, group)
+        if self._pipe is not None:
+            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
+            return HybridZeroOptimizer(self._zero, replicas, group=None)
         if self.tp_size == 1:  # ZeRO's own clip spans every rank
             return HybridZeroOptimizer(self._zero)
         shapes, tp = self._dense_shapes, self.tp_size
         replicas = {id(p): multiplicity(p, shapes[n], tp) for n, p in model.named_parameters()}
         return HybridZeroOptimizer(self._zero, replicas, group=None)  # None: the default group, the world
-
-    def _tensor(self, model: nn.Module, mesh):
-        from colossal.tensor_parallel import parallelize
-
-        target = mesh.group("tp") if self.tp_mode == "1d" else mesh.layout(self.tp_mode, "tp", depth=self.tp_depth)
-        convert = lambda m: parallelize(m, self.tp_mode, target, depth=self.tp_depth)  # noqa: E731
-        if self.tp_mode != "1d":
-            self._shards = ShardIndex(model, convert, mesh.group("tp"))  # from the dense model, before converting
-        convert(model)
-        return GatherLogits(model, gather_fn(self.tp_mode, target)), mesh.group("dp")
-
-    def _sequence(self, model: nn.Module, mesh):
-        """Sequence parallel, after tensor parallel when ``tp_size > 1``: the tensor-parallel layers
-        run unchanged on each ``T/sp`` chunk, the attention core becomes ring / all-to-all over the
-        local heads, and the (converted) position embedding sees global positions (``[Note:
-        tensor x sequence parallel]`` in :mod:`colossalai.booster.hybrid.wrappers`)."""
-        from colossal.tensor_parallel import parallelize
-
-        sp = mesh.group("sp")
-        if self.tp_size == 1:
-            parallelize(model, "sequence", sp, kind=self.sp_kind)
-            return SequenceParallel(model, sp, self.sp_size), mesh.product_group("dp", "sp")
-        inner, _ = self._tensor(model, mesh)
-        sequence_after_tensor(model, sp, self.sp_kind, self._dense_shapes)
-        return SequenceParallel(inner, sp, self.sp_size), mesh.product_group("dp", "sp")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The (tensor- and/or sequence-parallel) user module."""
