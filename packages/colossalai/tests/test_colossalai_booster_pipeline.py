@@ -33,8 +33,9 @@ LAYOUTS = [
     (4, dict(tp_size=1, pp_size=2, num_microbatches=2, pp_schedule="gpipe")),  # dp2 x pp2
     (4, dict(tp_size=2, pp_size=2, num_microbatches=2)),  # pp2 x tp2
     (4, dict(tp_size=1, pp_size=2, num_microbatches=2, zero_stage=1)),  # dp2 x pp2, ZeRO-1
+    (8, dict(tp_size=2, pp_size=2, num_microbatches=2)),  # pp2 x dp2 x tp2
 ]
-IDS = ["pp2-1f1b", "pp2-zb", "dp2xpp2-gpipe", "pp2xtp2", "dp2xpp2-zero1"]
+IDS = ["pp2-1f1b", "pp2-zb", "dp2xpp2-gpipe", "pp2xtp2", "dp2xpp2-zero1", "pp2xdp2xtp2"]
 
 
 def _losses(kwargs):
