@@ -87,6 +87,35 @@ def test_pipeline_resume_across_layouts(tmp_path, save, load):
         torch.testing.assert_close(torch.tensor(rank_losses), ref, rtol=1e-5, atol=0)
 
 
+def _fp16(kwargs):
+    booster, model, optim, loader = boosted_setup(HybridParallelPlugin(**kwargs), precision="fp16")
+    losses = boosted_losses(booster, model, optim, loader, STEPS)
+    x, y = next(iter(loader))  # then an overflow on one pipeline stage only
+    booster.execute_pipeline((x, y), model, criterion, optim)
+    param = next(iter(booster.plugin._pipe.parameters()))
+    if torch.distributed.get_rank() == 1:
+        param.grad.view(-1)[0] = float("inf")
+    before, scale = param.detach().clone(), optim.scaler.scale
+    optim.step()
+    skipped_everywhere = optim.last_step_skipped and torch.equal(param.detach(), before)
+    return losses, scale, optim.scaler.scale, skipped_everywhere
+
+
+def test_pipeline_fp16_tracks_fp32_and_skips_overflow_on_every_rank():
+    """fp16 autocast with the loss scaled inside the pipeline: losses within 3e-2 of fp32 (as for
+    DDP); an inf on one stage skips the step on every rank, which keep one scale."""
+    ref = torch.tensor(reference_losses(STEPS))
+    results = run_distributed(_fp16, 2, dict(tp_size=1, pp_size=2, num_microbatches=2), timeout=180)
+    for losses, scale, after, skipped in results:
+        torch.testing.assert_close(torch.tensor(losses), ref, rtol=3e-2, atol=0)
+        assert scale > 1.0 and after <= scale and skipped, (
+            scale,
+            after,
+            skipped,
+        )  # (hysteresis may delay the back-off)
+    assert len({r[2] for r in results}) == 1
+
+
 def test_pipeline_refuses_bad_layouts():
     with pytest.raises(NotImplementedError, match="not yet with sp"):
         HybridParallelPlugin(tp_size=1, sp_size=2, pp_size=2)

@@ -85,7 +85,7 @@ class HybridParallelPlugin(Plugin):
     ``HybridParallelPlugin(pp_size=2, num_microbatches=4, pp_schedule="1f1b", tp_size=2)``:
     pipeline parallel over ``pp_size`` stages (``colossal.pipeline``; ``pp_schedule`` gpipe, 1f1b,
     interleaved with ``pp_virtual`` chunks per rank, zero_bubble), composed with tp and dp; steps
-    run through ``booster.execute_pipeline`` (fp32/bf16; not with sp).
+    run through ``booster.execute_pipeline`` (not with sp yet).
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
@@ -129,6 +129,7 @@ class HybridParallelPlugin(Plugin):
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
         self.num_microbatches = num_microbatches or pp_size
         self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
+        self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline
         self.sp_size, self.sp_kind, self.zero_stage = sp_size, sp_kind, zero_stage
         self._zero, self._zero_names = None, []  # ZeroOptimizer over dp (x sp), its index -> name
         self.mesh = None
@@ -138,7 +139,7 @@ class HybridParallelPlugin(Plugin):
     @property
     def supported_precisions(self) -> tuple[Precision, ...]:
         """fp32, bf16 and fp16; not fp16 with ZeRO (its fp32-engine scaler would not scale the loss)."""
-        if self.zero_stage or self.pp_size > 1:
+        if self.zero_stage:
             return (Precision.FP32, Precision.BF16)
         return (Precision.FP32, Precision.BF16, Precision.FP16)
 
@@ -214,7 +215,8 @@ class HybridParallelPlugin(Plugin):
         if self._pipe is not None:
             replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
             norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
-            return PipelineOptimizer(optimizer, replicas, norm_group)
+            self._scaler = _fp16_scaler() if precision is Precision.FP16 else None  # scales inside the pipeline
+            return PipelineOptimizer(optimizer, replicas, norm_group, self._scaler)
         axis, size = self._inner
         replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
         scaler = _fp16_scaler() if precision is Precision.FP16 else None
@@ -233,10 +235,12 @@ class HybridParallelPlugin(Plugin):
             # the first backward outside no_sync reduces what the micro-batches accumulated
             torch.stack([p.reshape(-1)[0] for p in self._pipe.parameters()]).sum().mul(0.0).backward()
             return loss
+        scaler = self._scaler
+        loss_fn = criterion if scaler is None else (lambda out, target: scaler.scale_loss(criterion(out, target)))
         with ctx:
-            loss = self._pipe.step(x, y, criterion)
+            loss = self._pipe.step(x, y, loss_fn)
         average_over_dp(list(self._pipe.parameters()), self.dp_group)
-        return loss
+        return loss if scaler is None else loss / scaler.scale
 
     def _zero_optimizer(self, model: nn.Module, optimizer, group) -> HybridZeroOptimizer:
         """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp),

@@ -123,16 +123,37 @@ def average_over_dp(params: list[nn.Parameter], group) -> None:
 
 class PipelineOptimizer(BoostedOptimizer):
     """Clips by the norm of the whole model's gradients over ``pp x tp`` (``[Note: the global
-    gradient norm under pp]``); otherwise a plain step (fp32 / bf16)."""
+    gradient norm under pp]``). With a loss ``scaler`` (fp16) the overflow check is agreed over
+    ``pp x tp`` (dp replicas hold equal, averaged gradients): an inf on any stage or tp block
+    skips the step, and backs the scale off, on every rank."""
 
-    def __init__(self, optimizer, replicas: dict[int, int], group) -> None:
-        super().__init__(optimizer)
+    def __init__(self, optimizer, replicas: dict[int, int], group, scaler=None) -> None:
+        super().__init__(optimizer, scaler)
         self.replicas, self.norm_group = replicas, group
+
+    def step(self, *args, **kwargs) -> None:
+        """Unscale, then step unless a gradient overflowed on any rank of ``pp x tp`` (fp16)."""
+        if self.scaler is None:
+            return super().step(*args, **kwargs)
+        import functools
+
+        from colossal.comm import all_reduce
+        from colossal.optim import has_inf_or_nan
+
+        self._unscale()
+        reduce = functools.partial(all_reduce, tag="hybrid.pp.overflow")
+        found_inf = has_inf_or_nan(self._grads(), self.norm_group, all_reduce=reduce)
+        self.scaler.update(found_inf)
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            self.optim.step(*args, **kwargs)
+        self._unscaled = False
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Total norm of the dense gradients (the same on every rank), clipped in place."""
         from colossal.optim import grad_norm
 
+        self._unscale()
         p = float(norm_type)
         grads = []
         for param in self.params:
