@@ -31,6 +31,7 @@ ALL = {
     "colossal-gemini",
     "colossal-tensor-parallel",
     "colossal-moe",
+    "colossal-pipeline",
     "colossal-profiler",
     "fastfold",
 }
@@ -41,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "colossal-gemini": {"colossal-comm", "colossal-optim"},
     "colossal-tensor-parallel": {"colossal-comm"},
     "colossal-moe": {"colossal-comm"},
+    "colossal-pipeline": {"colossal-comm"},
     "colossal-profiler": set(),
     "fastfold": {"colossal-comm"},
     "colossalai": ALL,

@@ -78,8 +78,7 @@ def boosted_losses(booster, model, optim, loader, steps: int, start: int = 0) ->
     for step, (x, y) in enumerate(loader, start=start):
         if step == steps:
             break
-        loss = criterion(model(x.to(device)), y.to(device))
-        booster.backward(loss, optim)
+        loss = booster.execute_pipeline((x.to(device), y.to(device)), model, criterion, optim)  # any plugin, pp too
         optim.step()
         optim.zero_grad()
         losses.append(mean_over_dp(loss, booster))

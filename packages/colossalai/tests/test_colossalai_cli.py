@@ -138,3 +138,19 @@ def test_bad_options_fail_clearly(capsys):
 def test_train_with_2d_tensor_parallel_on_four_processes(tmp_path):
     out = _cli(*TRAIN, "--steps", "2", "--nproc", "4", "--plugin", "hybrid", "--tp-mode", "2d", "--tp-size", "4")
     assert sorted(_losses(out)) == [1, 2] and "hybrid x 4 process(es)" in out and "sample:" in out
+
+
+def test_train_with_pipeline_parallel_on_two_processes(first_run, tmp_path):
+    """``--pp-size 2``: the same losses as the one-process run (reduction order only), a
+    checkpoint and an export of the whole model gathered from both stages."""
+    _, out1 = first_run
+    pp = ["--plugin", "hybrid", "--pp-size", "2", "--microbatches", "4", "--pp-schedule", "zero_bubble"]
+    out = _cli(
+        *TRAIN, "--steps", "3", "--nproc", "2", *pp, "--save-dir", str(tmp_path), "--export", str(tmp_path / "hf")
+    )
+    got, ref = _losses(out), _losses(out1)
+    assert sorted(got) == [1, 2, 3] and all(abs(got[s] - ref[s]) < 1e-4 * ref[s] for s in got), (got, ref)
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    assert {"wte.weight", "wpe.weight", "blocks.0.ln_1.weight", "blocks.1.ln_1.weight", "ln_f.weight"} <= set(exported)

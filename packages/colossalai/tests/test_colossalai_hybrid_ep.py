@@ -1,4 +1,4 @@
-"""Expert parallelism applied to a MoE GPT (``colossalai.booster.hybrid_ep``): ep=2 x edp=2 on 4
+"""Expert parallelism applied to a MoE GPT (``colossalai.booster.hybrid.ep``): ep=2 x edp=2 on 4
 ranks with DDP for the dense parameters trains exactly like one process; its dense checkpoint
 loads with ep=1 (plain model) and ep=4 and gives the same next loss."""
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossal.comm.testing import run_distributed
-from colossalai.booster.hybrid_ep import apply_expert_parallel
+from colossalai.booster.hybrid.ep import apply_expert_parallel
 from colossalai.models import build_gpt, build_moe_gpt
 
 KW = dict(num_experts=4, top_k=2, block_size=16, capacity_factor=1.0)

@@ -4,7 +4,7 @@ from colossalai.booster.booster import Booster, RunState
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
 from colossalai.booster.gemini_plugin import GeminiPlugin
-from colossalai.booster.hybrid_plugin import HybridParallelPlugin
+from colossalai.booster.hybrid.plugin import HybridParallelPlugin
 from colossalai.booster.plugin import Plugin
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer

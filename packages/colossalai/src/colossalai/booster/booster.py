@@ -116,6 +116,18 @@ class Booster:
         """Backward pass through the optimizer (scales the loss in fp16)."""
         optimizer.backward(loss)
 
+    def execute_pipeline(self, batch, model: BoostedModel, criterion, optimizer: BoostedOptimizer) -> torch.Tensor:
+        """One forward and backward of ``batch = (x, y)``: ``criterion(model(x), y)`` then
+        :meth:`backward`, or, with a pipeline-parallel plugin (``pp_size > 1``), all micro-batches
+        through the pipeline schedule. Returns the (detached) loss; the caller then clips and
+        steps as usual. Works with every plugin, so one training loop serves all of them."""
+        x, y = batch
+        if getattr(self.plugin, "pp_size", 1) > 1:
+            return self.plugin.execute_pipeline(model.module, x, y, criterion)
+        loss = criterion(model(x), y)
+        self.backward(loss, optimizer)
+        return loss.detach()
+
     def no_sync(self, model: BoostedModel, optimizer: BoostedOptimizer | None = None):
         """Context for gradient accumulation: backward passes inside it do not communicate."""
         inner = model.module if isinstance(model, BoostedModel) else model

@@ -5,7 +5,7 @@ from __future__ import annotations
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
 from colossalai.booster.gemini_plugin import GeminiPlugin
-from colossalai.booster.hybrid_plugin import HybridParallelPlugin
+from colossalai.booster.hybrid.plugin import HybridParallelPlugin
 from colossalai.booster.plugin import Plugin
 from colossalai.booster.zero_plugin import ZeroPlugin
 

@@ -35,11 +35,15 @@ def _plugin(args: argparse.Namespace):
         "gemini": dict(placement=args.placement, device_memory_budget=budget),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
         "hybrid": dict(
-            tp_size=args.tp_size if args.tp_size is not None else (2 if args.sp_size == 1 else 1),
+            tp_size=args.tp_size if args.tp_size is not None else (2 if args.sp_size == args.pp_size == 1 else 1),
             tp_mode=args.tp_mode,
             tp_depth=args.tp_depth,
             sp_size=args.sp_size,
             sp_kind=args.sp_kind,
+            pp_size=args.pp_size,
+            num_microbatches=args.microbatches,
+            pp_schedule=args.pp_schedule,
+            pp_virtual=args.pp_virtual,
         ),
     }
     foreign = {"--device-budget": budget is not None, "--offload": args.offload, "--zero-stage": args.zero_stage != 2}
@@ -140,10 +144,8 @@ class _Logger:
 
 def _step(booster, model, optim, sched, batch, args) -> torch.Tensor:
     x, y = (t.to(booster.plugin.device) for t in batch)
-    with torch.profiler.record_function("colossalai.train::forward"):
-        loss = criterion(model(x), y)
-    with torch.profiler.record_function("colossalai.train::backward"):
-        booster.backward(loss, optim)
+    with torch.profiler.record_function("colossalai.train::forward_backward"):  # all micro-batches under pp
+        loss = booster.execute_pipeline((x, y), model, criterion, optim)
     with torch.profiler.record_function("colossalai.train::optimizer"):
         if args.grad_clip > 0:
             booster.clip_grad_norm(optim, args.grad_clip)
@@ -233,7 +235,8 @@ def train(args: argparse.Namespace) -> dict:
         booster.export_safetensors(model, args.export)
     tp = getattr(booster.plugin, "tp_size", 1)  # a batch divisible by every TP grid's batch split
     sp = getattr(booster.plugin, "sp_size", 1)
-    sample = _sample(model, args.sample_tokens, args.seed, tp, sp) if args.sample_tokens > 0 else ""
+    pp = getattr(booster.plugin, "pp_size", 1)  # no single forward to sample with under pp
+    sample = _sample(model, args.sample_tokens, args.seed, tp, sp) if args.sample_tokens > 0 and pp == 1 else ""
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
         "model": f"GPT {args.preset}: {model.unwrap().config.num_parameters():,} parameters",

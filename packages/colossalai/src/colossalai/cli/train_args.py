@@ -35,6 +35,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-depth", type=int, default=1, help="2.5D depth d (hybrid, --tp-mode 2.5d)")
     p.add_argument("--sp-size", type=int, default=1, help="sequence-parallel degree (hybrid)")
     p.add_argument("--sp-kind", default="ring", choices=["ring", "all_to_all"], help="sequence-parallel attention")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (hybrid)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (hybrid; default pp-size)")
+    p.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "interleaved", "zero_bubble"],
+        help="pipeline schedule",
+    )
+    p.add_argument("--pp-virtual", type=int, default=1, help="chunks per pipeline rank (hybrid, interleaved)")
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer states on the CPU (zero)")
     p.add_argument("--save-dir", default=None, help="checkpoint root (step-N folders + 'latest')")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")

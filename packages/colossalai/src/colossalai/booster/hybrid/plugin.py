@@ -1,13 +1,20 @@
-"""Hybrid parallelism: data x tensor (1D/2D/2.5D/3D) x sequence parallel, through
-``colossal.tensor_parallel`` on a ``colossal.comm.Mesh``.
+"""Hybrid parallelism: data x pipeline x tensor (1D/2D/2.5D/3D) x sequence parallel, through
+``colossal.tensor_parallel`` and ``colossal.pipeline`` on a ``colossal.comm.Mesh``.
 
 Layouts: ``Mesh(axes={"dp": world // tp_size, "tp": tp_size})`` for tensor parallelism,
 ``Mesh(axes={"dp": world // sp_size, "sp": sp_size})`` for sequence parallelism, and
 ``Mesh(axes={"dp": ..., "sp": sp_size, "tp": tp_size})`` for both (tp innermost, the most
-talkative axis). The model is converted in place by
+talkative axis); with ``pp_size > 1`` a ``pp`` axis goes outermost:
+``Mesh(axes={"pp": pp_size, "dp": ..., "tp": tp_size})``. The model is converted in place by
 ``colossal.tensor_parallel`` (``gpt_plan(mode)`` by default), its split logits are gathered so
 that the user's criterion runs unchanged on the full ``(B, T, V)`` logits, and gradients are
 averaged over ``dp`` (times ``sp``) by DDP.
+
+[Note: the order of the axes]
+``configure`` applies the axes in one order: materialise, tensor parallel (:mod:`.tp` layers
+convert the dense modules), sequence parallel (wraps the converted model), pipeline parallel
+(:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), then
+data parallel last (DDP or ZeRO wrap exactly the parameters this rank keeps).
 
 [Note: tensor-parallel state in checkpoints]
 A 1D-parallel parameter is an even split, in rank order, of the dense parameter along one
@@ -15,10 +22,10 @@ dimension, i.e. exactly a ``DTensor`` with ``Shard(dim)`` on the ``tp`` sub-mesh
 are therefore handed to DCP as DTensors (dimension found by comparing with the dense shapes
 recorded before conversion). 2D/2.5D/3D blocks are not one-dimensional splits: their state is
 gathered to the dense tensors over the tp group on save and re-split on load
-(:class:`~colossalai.booster.hybrid_shards.ShardIndex`). Either way the checkpoint holds the
+(:class:`~colossalai.booster.hybrid.shards.ShardIndex`). Either way the checkpoint holds the
 original names and full logical shapes, so it loads into any other plugin or layout.
 
-See ``[Note: sequence-parallel gradients]`` in :mod:`colossalai.booster.hybrid_wrappers`.
+See ``[Note: sequence-parallel gradients]`` in :mod:`colossalai.booster.hybrid.wrappers`.
 """
 
 from __future__ import annotations
@@ -31,17 +38,27 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.hybrid_shards import ShardIndex, TensorParallelOptimizer, multiplicity
-from colossalai.booster.hybrid_wrappers import (
+from colossalai.booster.hybrid.dp import apply_ddp, dp_group
+from colossalai.booster.hybrid.pp import (
+    SCHEDULES,
+    PipelineModule,
+    PipelineOptimizer,
+    apply_pp,
+    average_over_dp,
+    replicas_over_pp_tp,
+    stage_view,
+)
+from colossalai.booster.hybrid.shards import ShardIndex, TensorParallelOptimizer, multiplicity
+from colossalai.booster.hybrid.sp import apply_sp
+from colossalai.booster.hybrid.tp import apply_tp
+from colossalai.booster.hybrid.wrappers import (
     SP_KINDS,
     TP_MODES,
     GatherLogits,
     SequenceParallel,
     check_layout,
-    gather_fn,
-    sequence_after_tensor,
 )
-from colossalai.booster.hybrid_zero import HybridZeroOptimizer, zero_engine
+from colossalai.booster.hybrid.zero import HybridZeroOptimizer, zero_engine
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 from colossalai.booster.zero_plugin import load_zero_optimizer, zero_optimizer_state
@@ -65,6 +82,10 @@ class HybridParallelPlugin(Plugin):
     all_to_all attention) inside groups of ``sp_size`` ranks, data parallel across them;
     ``HybridParallelPlugin(tp_size=2, sp_size=2)``: both (any ``tp_mode`` inside each sequence
     chunk), data parallel across ``tp_size * sp_size`` ranks.
+    ``HybridParallelPlugin(pp_size=2, num_microbatches=4, pp_schedule="1f1b", tp_size=2)``:
+    pipeline parallel over ``pp_size`` stages (``colossal.pipeline``; ``pp_schedule`` gpipe, 1f1b,
+    interleaved with ``pp_virtual`` chunks per rank, zero_bubble), composed with tp and dp; steps
+    run through ``booster.execute_pipeline`` (not with sp yet).
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
@@ -83,8 +104,14 @@ class HybridParallelPlugin(Plugin):
         sp_size: int = 1,
         sp_kind: str = "ring",
         zero_stage: int = 0,
+        pp_size: int = 1,
+        num_microbatches: int | None = None,
+        pp_schedule: str = "1f1b",
+        pp_virtual: int = 1,
     ) -> None:
-        for arg, value in (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size)):
+        sizes = (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size), ("pp_size", pp_size))
+        sizes += (("pp_virtual", pp_virtual), ("num_microbatches", num_microbatches or 1))
+        for arg, value in sizes:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if tp_mode not in TP_MODES:
@@ -93,8 +120,16 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"sp_kind must be one of {SP_KINDS}, got {sp_kind!r}")
         if zero_stage not in ZERO_STAGES:
             raise NotImplementedError(f"HybridParallelPlugin supports zero_stage in {ZERO_STAGES}, got {zero_stage!r}")
+        if pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {pp_schedule!r}")
+        if pp_size > 1 and sp_size > 1:
+            raise NotImplementedError(f"pp_size > 1 composes with tp and dp, not yet with sp (got sp_size={sp_size})")
         check_layout(tp_size, tp_mode, tp_depth)
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
+        self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
+        self.num_microbatches = num_microbatches or pp_size
+        self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
+        self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline
         self.sp_size, self.sp_kind, self.zero_stage = sp_size, sp_kind, zero_stage
         self._zero, self._zero_names = None, []  # ZeroOptimizer over dp (x sp), its index -> name
         self.mesh = None
@@ -104,7 +139,9 @@ class HybridParallelPlugin(Plugin):
     @property
     def supported_precisions(self) -> tuple[Precision, ...]:
         """fp32, bf16 and fp16; not fp16 with ZeRO (its fp32-engine scaler would not scale the loss)."""
-        return (Precision.FP32, Precision.BF16) if self.zero_stage else (Precision.FP32, Precision.BF16, Precision.FP16)
+        if self.zero_stage:
+            return (Precision.FP32, Precision.BF16)
+        return (Precision.FP32, Precision.BF16, Precision.FP16)
 
     @property
     def _inner(self) -> tuple[str, int]:
@@ -115,13 +152,14 @@ class HybridParallelPlugin(Plugin):
     def _build_mesh(self):
         from colossal.comm import Mesh
 
-        size = self.tp_size * self.sp_size
+        size = self.tp_size * self.sp_size * self.pp_size
         if world_size() % size:
             raise ValueError(
-                f"world size {world_size()} must be divisible by tp_size * sp_size = {self.tp_size} * {self.sp_size}"
+                f"world size {world_size()} must be divisible by pp_size * tp_size * sp_size = "
+                f"{self.pp_size} * {self.tp_size} * {self.sp_size}"
             )
-        if self.mesh is None:
-            axes = {"dp": world_size() // size, "sp": self.sp_size, "tp": self.tp_size}
+        if self.mesh is None:  # pp outermost, tp innermost (the most talkative axis)
+            axes = {"pp": self.pp_size, "dp": world_size() // size, "sp": self.sp_size, "tp": self.tp_size}
             self.mesh = Mesh(axes={a: n for a, n in axes.items() if n > 1 or a == "dp" or a == self._inner[0]})
         return self.mesh
 
@@ -132,72 +170,95 @@ class HybridParallelPlugin(Plugin):
 
     def dp_size(self) -> int:
         """Replicas along the dp axis."""
-        return world_size() // (self.tp_size * self.sp_size)
+        return world_size() // (self.tp_size * self.sp_size * self.pp_size)
 
     def dp_rank(self) -> int:
         """This rank's dp coordinate (tp / sp peers read the same data)."""
         return self._build_mesh().coordinate("dp")
 
     def configure(self, model: nn.Module, optimizer, precision):
-        """Materialise, convert (tensor or sequence parallel), gather logits, wrap in DDP."""
+        """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         if not torch.distributed.is_initialized():
             raise ValueError("HybridParallelPlugin needs torch.distributed initialised (torchrun or launch())")
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+        self._precision = precision
         with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
-            wrapped, ddp_group = self._sequence(model, mesh) if self.sp_size > 1 else self._tensor(model, mesh)
+            wrapped = model
+            if self.tp_size > 1 or self.sp_size == self.pp_size == 1:  # 1. tp converts the dense layers
+                wrapped, self._shards = apply_tp(model, mesh, self.tp_mode, self.tp_depth)
+            if self.sp_size > 1:  # 2. sp: attention over sequence chunks, on the (tp) layers
+                wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes)
+            if self.pp_size > 1:  # 3. pp cuts the converted model into this rank's stages
+                self._pipe = apply_pp(
+                    model, mesh, num_microbatches=self.num_microbatches, schedule=self.pp_schedule,
+                    virtual=self.pp_virtual, gather=getattr(wrapped, "gather", None), device=self.device,
+                )  # fmt: skip
+                wrapped = PipelineModule(model, self._pipe)
         rebind_optimizer(optimizer, names, model)
-        if self.zero_stage:  # ZeRO reduces (and shards) over the dp (x sp) group in place of DDP
-            return wrapped, self._zero_optimizer(model, optimizer, ddp_group)
-        if optimizer is not None:
-            axis, size = self._inner
-            replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
-            scaler = _fp16_scaler() if precision is Precision.FP16 else None
-            optimizer = TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
-        if torch.distributed.get_world_size(ddp_group) > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DDP(wrapped, device_ids=ids, process_group=ddp_group)
-        return wrapped, optimizer
+        if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if not p.is_meta]
+        # 4. dp last, over exactly the parameters this rank keeps: ZeRO, or DDP (pp: an average per step)
+        group = dp_group(mesh, self.sp_size)
+        if self.zero_stage:
+            return wrapped, self._zero_optimizer(model, optimizer, group)
+        optimizer = self._clipping_optimizer(model, optimizer, precision, mesh)
+        return (wrapped if self._pipe is not None else apply_ddp(wrapped, group, self.device)), optimizer
+
+    def _clipping_optimizer(self, model: nn.Module, optimizer, precision, mesh):
+        """The optimizer view that clips by the dense norm: over tp (or sp), or over pp x tp."""
+        if optimizer is None:
+            return None
+        if self._pipe is not None:
+            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
+            norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
+            self._scaler = _fp16_scaler() if precision is Precision.FP16 else None  # scales inside the pipeline
+            return PipelineOptimizer(optimizer, replicas, norm_group, self._scaler)
+        axis, size = self._inner
+        replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
+        scaler = _fp16_scaler() if precision is Precision.FP16 else None
+        return TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
+
+    def execute_pipeline(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion) -> torch.Tensor:
+        """Forward and backward of the batch ``(x, y)`` through the pipeline, gradients reduced
+        over dp; returns the batch loss (the same on every rank of the pipeline)."""
+        if self._pipe is None:
+            raise RuntimeError("execute_pipeline needs a model boosted with pp_size > 1")
+        amp = self._precision is not None and self._precision is not Precision.FP32
+        ctx = torch.autocast(self.device.type, dtype=self._precision.dtype) if amp else contextlib.nullcontext()
+        if self._zero is not None:
+            with self._zero.no_sync(), ctx:
+                loss = self._pipe.step(x, y, criterion)
+            # the first backward outside no_sync reduces what the micro-batches accumulated
+            torch.stack([p.reshape(-1)[0] for p in self._pipe.parameters()]).sum().mul(0.0).backward()
+            return loss
+        scaler = self._scaler
+        loss_fn = criterion if scaler is None else (lambda out, target: scaler.scale_loss(criterion(out, target)))
+        with ctx:
+            loss = self._pipe.step(x, y, loss_fn)
+        average_over_dp(list(self._pipe.parameters()), self.dp_group)
+        return loss if scaler is None else loss / scaler.scale
 
     def _zero_optimizer(self, model: nn.Module, optimizer, group) -> HybridZeroOptimizer:
-        """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp)."""
-        self._zero, self._zero_names = zero_engine(model, optimizer, self.zero_stage, group)
+        """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp),
+        under pp over every stage too (ZeRO then sees this rank's stages only)."""
+        target = stage_view(model) if self._pipe is not None else model
+        self._zero, self._zero_names = zero_engine(target, optimizer, self.zero_stage, group)
+        if self._pipe is not None:
+            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
+            return HybridZeroOptimizer(self._zero, replicas, group=None)
         if self.tp_size == 1:  # ZeRO's own clip spans every rank
             return HybridZeroOptimizer(self._zero)
         shapes, tp = self._dense_shapes, self.tp_size
         replicas = {id(p): multiplicity(p, shapes[n], tp) for n, p in model.named_parameters()}
         return HybridZeroOptimizer(self._zero, replicas, group=None)  # None: the default group, the world
 
-    def _tensor(self, model: nn.Module, mesh):
-        from colossal.tensor_parallel import parallelize
-
-        target = mesh.group("tp") if self.tp_mode == "1d" else mesh.layout(self.tp_mode, "tp", depth=self.tp_depth)
-        convert = lambda m: parallelize(m, self.tp_mode, target, depth=self.tp_depth)  # noqa: E731
-        if self.tp_mode != "1d":
-            self._shards = ShardIndex(model, convert, mesh.group("tp"))  # from the dense model, before converting
-        convert(model)
-        return GatherLogits(model, gather_fn(self.tp_mode, target)), mesh.group("dp")
-
-    def _sequence(self, model: nn.Module, mesh):
-        """Sequence parallel, after tensor parallel when ``tp_size > 1``: the tensor-parallel layers
-        run unchanged on each ``T/sp`` chunk, the attention core becomes ring / all-to-all over the
-        local heads, and the (converted) position embedding sees global positions (``[Note:
-        tensor x sequence parallel]`` in :mod:`colossalai.booster.hybrid_wrappers`)."""
-        from colossal.tensor_parallel import parallelize
-
-        sp = mesh.group("sp")
-        if self.tp_size == 1:
-            parallelize(model, "sequence", sp, kind=self.sp_kind)
-            return SequenceParallel(model, sp, self.sp_size), mesh.product_group("dp", "sp")
-        inner, _ = self._tensor(model, mesh)
-        sequence_after_tensor(model, sp, self.sp_kind, self._dense_shapes)
-        return SequenceParallel(inner, sp, self.sp_size), mesh.product_group("dp", "sp")
-
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The (tensor- and/or sequence-parallel) user module."""
-        while isinstance(model, (DDP, GatherLogits, SequenceParallel)):
+        while isinstance(model, (DDP, GatherLogits, SequenceParallel, PipelineModule)):
             model = model.module
         return model
 
@@ -229,6 +290,7 @@ class HybridParallelPlugin(Plugin):
         module = self.unwrap(model)
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names included
         local = self._zero.full_model_state_dict() if self._zero is not None else module.state_dict()
+        local = {n: t for n, t in local.items() if not t.is_meta}  # pipeline: this rank's stages only
         return {n: self._to_portable(n, t.detach().to(self.device)) if n in params else t for n, t in local.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
@@ -237,15 +299,21 @@ class HybridParallelPlugin(Plugin):
         params = dict(module.named_parameters(remove_duplicate=False))
         if self._zero is not None:
             local = {n: self._to_local(n, t) if n in params else t for n, t in state.items()}
-            return self._zero.load_full_model_state_dict({n: local[n] for n in module.state_dict()})
+            return self._zero.load_full_model_state_dict({n: local[n] for n in self._zero.module.state_dict()})
         with torch.no_grad():
             for n, t in module.state_dict(keep_vars=True).items():
-                t.copy_(self._to_local(n, state[n]) if n in params else state[n])
+                if not t.is_meta:  # pipeline: other stages' tensors are meta here
+                    t.copy_(self._to_local(n, state[n]) if n in params else state[n])
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The dense model (gathered over tp) on every rank."""
         sd = self.model_state_dict(model)
-        return {n: t.full_tensor().cpu() if isinstance(t, DTensor) else t.cpu() for n, t in sd.items()}
+        full = {n: t.full_tensor().cpu() if isinstance(t, DTensor) else t.cpu() for n, t in sd.items()}
+        if self.pp_size > 1:  # each stage holds its own tensors: merge them over pp
+            parts = [None] * self.pp_size
+            torch.distributed.all_gather_object(parts, full, group=self.mesh.group("pp"))
+            full = {n: t for part in parts for n, t in part.items()}
+        return full
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """torch's name-keyed optimizer state with parameter-shaped entries made portable."""
@@ -273,4 +341,9 @@ class HybridParallelPlugin(Plugin):
         parts = [f"tp_size={self.tp_size}, tp_mode={self.tp_mode!r}"] if self.tp_size > 1 or self.sp_size == 1 else []
         parts += [f"sp_size={self.sp_size}, sp_kind={self.sp_kind!r}"] if self.sp_size > 1 else []
         parts += [f"zero_stage={self.zero_stage}"] if self.zero_stage else []
+        if self.pp_size > 1:
+            parts += [
+                f"pp_size={self.pp_size}, num_microbatches={self.num_microbatches}, pp_schedule={self.pp_schedule!r}"
+            ]
+            parts += [f"pp_virtual={self.pp_virtual}"] if self.pp_virtual > 1 else []
         return f"HybridParallelPlugin({', '.join(parts)})"

@@ -1,0 +1,333 @@
+"""Split a model whose body is a sequence of blocks into pipeline chunks.
+
+A model is seen as three parts, found from the order in which it registers its tensors:
+everything registered before the block container (embeddings) goes with the first chunk, the
+blocks are divided among the ``p * v`` chunks, everything registered after (final norm, head)
+goes with the last chunk. Each rank keeps real tensors only for what its own chunks use and
+turns the rest into ``meta`` tensors, so a model built on the meta device is never whole anywhere.
+
+[Note: tied embeddings]
+A tensor registered both before and after the blocks (GPT's ``wte.weight`` is ``lm_head.weight``)
+is one logical weight used by the first and the last chunk. When those live on different ranks,
+each keeps its own copy (still tied under both names locally, so checkpoints see one tensor); the
+runtime makes the copies equal at setup (the first rank's value wins) and sums their gradients
+over the two ranks after every step (the "embedding group" of Megatron-LM), so both copies take
+the same optimizer step and stay equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+__all__ = [
+    "BLOCK_CANDIDATES",
+    "BlockCost",
+    "StageChunk",
+    "find_blocks",
+    "measure_block_costs",
+    "partition_blocks",
+    "split_model",
+]
+
+BLOCK_CANDIDATES = ("blocks", "layers", "h", "transformer.h", "model.layers", "decoder.layers", "encoder.layer")
+"""Names tried, in order, when no block sequence is named."""
+
+
+def _get(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Module]:
+    """The block sequence of ``model``: ``(name, container)``, an ``nn.ModuleList``/``nn.Sequential``.
+
+    With ``blocks`` given, that submodule; otherwise the first of :data:`BLOCK_CANDIDATES` found.
+    """
+    names = (blocks,) if blocks is not None else BLOCK_CANDIDATES
+    for name in names:
+        mod = _get(model, name)
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 0:
+            return name, mod
+        if blocks is not None:
+            got = "nothing" if mod is None else f"a {type(mod).__name__}"
+            raise ValueError(
+                f"blocks={blocks!r} of {type(model).__name__} must name a non-empty nn.ModuleList or "
+                f"nn.Sequential, found {got}"
+            )
+    raise ValueError(
+        f"{type(model).__name__} has no block sequence: looked for a non-empty nn.ModuleList or nn.Sequential "
+        f"at {', '.join(BLOCK_CANDIDATES)}; pass blocks='<name>'"
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockCost:
+    """What one block cost in a traced forward."""
+
+    time_s: float
+    """Forward wall time in seconds."""
+    activation_bytes: int
+    """Bytes the block saved for its backward."""
+    params: int
+    """Number of parameter elements."""
+
+
+def measure_block_costs(model: nn.Module, *args, blocks: str | None = None, **kwargs) -> list[BlockCost]:
+    """Run ``model(*args, **kwargs)`` once (with autograd on) and time each block's forward and
+    count the bytes it saves for backward."""
+    _, seq = find_blocks(model, blocks)
+    costs: list[list[float]] = [[0.0, 0, 0] for _ in seq]
+    current: list[int | None] = [None]
+    hooks = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] is not None:
+            costs[current[0]][1] += t.numel() * t.element_size()
+        return t
+
+    for i, blk in enumerate(seq):
+
+        def pre(_m, _a, i=i):
+            current[0] = i
+            costs[i][0] -= time.perf_counter()
+
+        def post(_m, _a, _o, i=i):
+            costs[i][0] += time.perf_counter()
+            current[0] = None
+
+        hooks += [blk.register_forward_pre_hook(pre), blk.register_forward_hook(post)]
+        costs[i][2] = sum(p.numel() for p in blk.parameters())
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [BlockCost(time_s=t, activation_bytes=int(a), params=int(n)) for t, a, n in costs]
+
+
+def _balanced(weights: Sequence[float], k: int, first: float, last: float) -> list[int]:
+    """Contiguous split of ``weights`` into ``k`` non-empty parts minimising the heaviest part
+    (part 0 also carries ``first``, part ``k - 1`` also ``last``); returns the part sizes."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[j][i]: lowest max over parts 0..j-1 covering weights[:i]; cut[j][i] where part j-1 starts
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        extra = (first if j == 1 else 0.0) + (last if j == k else 0.0)
+        for i in range(j, n - (k - j) + 1):
+            for s in range(j - 1, i):
+                cand = max(best[j - 1][s], prefix[i] - prefix[s] + extra)
+                if cand < best[j][i]:
+                    best[j][i], cut[j][i] = cand, s
+    sizes, i = [], n
+    for j in range(k, 0, -1):
+        sizes.append(i - cut[j][i])
+        i = cut[j][i]
+    return sizes[::-1]
+
+
+def partition_blocks(
+    n_blocks: int,
+    n_chunks: int,
+    method: str = "uniform",
+    *,
+    weights: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
+    first: float = 0.0,
+    last: float = 0.0,
+) -> list[tuple[int, int]]:
+    """Block ranges ``[(lo, hi), ...]``, one per chunk.
+
+    ``method``: ``"uniform"`` (equal counts; ``n_blocks`` must divide by ``n_chunks``),
+    ``"params"`` or ``"cost"`` (contiguous parts balancing ``weights``, with the embedding's
+    weight ``first`` on chunk 0 and the head's ``last`` on the last chunk), or ``"sizes"``
+    (``sizes`` given explicitly, e.g. ``[3, 1, 2, 2]``).
+    """
+    if n_chunks > n_blocks:
+        raise ValueError(f"{n_blocks} blocks cannot fill {n_chunks} chunks (pp * v); need at least one block each")
+    if method == "uniform":
+        if n_blocks % n_chunks:
+            raise ValueError(
+                f"{n_blocks} blocks are not divisible by pp * v = {n_chunks}; use partition='params', 'cost' "
+                "or explicit sizes for an uneven split"
+            )
+        sizes = [n_blocks // n_chunks] * n_chunks
+    elif method in ("params", "cost"):
+        if weights is None or len(weights) != n_blocks:
+            raise ValueError(f"partition {method!r} needs one weight per block ({n_blocks}), got {weights!r}")
+        sizes = _balanced([float(w) for w in weights], n_chunks, float(first), float(last))
+    elif method == "sizes":
+        if sizes is None or len(sizes) != n_chunks or any(s < 1 for s in sizes) or sum(sizes) != n_blocks:
+            raise ValueError(f"sizes must be {n_chunks} positive counts summing to {n_blocks} blocks, got {sizes!r}")
+    else:
+        raise ValueError(f"partition must be 'uniform', 'params', 'cost' or 'sizes', got {method!r}")
+    bounds, lo = [], 0
+    for s in sizes:
+        bounds.append((lo, lo + int(s)))
+        lo += int(s)
+    return bounds
+
+
+class StageChunk:
+    """One chunk of the pipeline on this rank: blocks ``lo..hi-1`` of the model, plus the embedding
+    (first chunk) or the head (last chunk). Calling it runs that part's forward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        index: int,
+        n_chunks: int,
+        blocks: Sequence[nn.Module],
+        embed: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+        head: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+        param_names: list[str],
+        activation_checkpointing: bool = False,
+    ) -> None:
+        self.model, self.index, self.blocks = model, index, list(blocks)
+        self.is_first, self.is_last = index == 0, index == n_chunks - 1
+        self._embed, self._head = embed, head
+        self.param_names = param_names
+        """Original names (in the whole model) of the parameters this chunk uses."""
+        self.activation_checkpointing = activation_checkpointing
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self._embed(self.model, x)
+        for blk in self.blocks:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = _checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        if self.is_last:
+            x = self._head(self.model, x)
+        return x
+
+    def __repr__(self) -> str:
+        return f"StageChunk({self.index}, blocks={len(self.blocks)}, first={self.is_first}, last={self.is_last})"
+
+
+def _sides(model: nn.Module, blocks_name: str) -> tuple[list[str], list[str]]:
+    """Top-level children registered before and after the block container."""
+    top = blocks_name.split(".")[0]
+    names = [n for n, _ in model.named_children()]
+    i = names.index(top)
+    return names[:i], names[i + 1 :]
+
+
+def _default_part(names: list[str], what: str, blocks_name: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    if "." in blocks_name:
+        raise ValueError(
+            f"blocks={blocks_name!r} is nested, so the {what} cannot be inferred; pass {what}=fn(model, x)"
+        )
+
+    def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for n in names:
+            x = getattr(model, n)(x)
+        return x
+
+    return run
+
+
+def _owner(name: str, prefix: str, seen_blocks: bool) -> tuple[str, int]:
+    """``("block", i)`` for a tensor of block ``i``; ``("first"|"last", -1)`` otherwise."""
+    if name.startswith(prefix):
+        return "block", int(name[len(prefix) :].split(".", 1)[0])
+    return ("last" if seen_blocks else "first"), -1
+
+
+def tensor_owners(model: nn.Module, blocks_name: str) -> dict[str, tuple[str, int]]:
+    """Every parameter and buffer name (tied ones under each name) -> its owning part."""
+    prefix, owners, seen = blocks_name + ".", {}, False
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    for name, _ in sorted(tensors, key=lambda nt: order.get(nt[0].rpartition(".")[0], -1)):
+        seen = seen or name.startswith(prefix)
+        owners[name] = _owner(name, prefix, seen)
+    return owners
+
+
+def _replace(model: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if is_param:
+        mod._parameters[attr] = tensor
+    else:
+        mod._buffers[attr] = tensor
+
+
+def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, init: Callable | None) -> None:
+    """Keep real tensors (on ``device``) for the names in ``owned``; make every other one ``meta``.
+
+    A tensor registered under several names (tied) stays one tensor under all of them when any of
+    its names is owned, so the model keeps its tie structure (and checkpoint aliases) on every
+    rank. A tensor still on the meta device becomes an uninitialised one, then ``init(module)``
+    runs on each module holding such a tensor (default: its ``reset_parameters()`` where it has one).
+    """
+    params = list(model.named_parameters(remove_duplicate=False))
+    buffers = list(model.named_buffers(remove_duplicate=False))
+    keep_ids = {id(t) for n, t in params + buffers if n in owned}
+    made: dict[int, torch.Tensor] = {}
+    fresh_modules: dict[str, nn.Module] = {}
+    for is_param, items in ((True, params), (False, buffers)):
+        for name, t in items:
+            if id(t) not in made:
+                if id(t) in keep_ids:
+                    new = torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device)
+                    if t.is_meta:
+                        fresh_modules[name.rpartition(".")[0]] = model.get_submodule(name.rpartition(".")[0])
+                else:
+                    new = torch.empty_like(t, device="meta")
+                made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
+            _replace(model, name, made[id(t)], is_param)
+    for mod in fresh_modules.values():
+        with torch.no_grad():
+            if init is not None:
+                init(mod)
+            elif hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+
+
+def split_model(
+    model: nn.Module,
+    chunk_ids: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+    *,
+    blocks: str,
+    embed: Callable | None = None,
+    head: Callable | None = None,
+    activation_checkpointing: bool = False,
+) -> list[StageChunk]:
+    """The :class:`StageChunk` objects of ``chunk_ids`` (global indices into ``bounds``).
+
+    Only builds the views; :func:`materialize_owned` decides which tensors stay real.
+    """
+    _, seq = find_blocks(model, blocks)
+    before, after = _sides(model, blocks)
+    embed = embed or _default_part(before, "embed", blocks)
+    head = head or _default_part(after, "head", blocks)
+    owners = tensor_owners(model, blocks)
+    chunks = []
+    for c in chunk_ids:
+        lo, hi = bounds[c]
+        mine = {"block"} | ({"first"} if c == 0 else set()) | ({"last"} if c == len(bounds) - 1 else set())
+        names = [n for n, (part, i) in owners.items() if part in mine and (part != "block" or lo <= i < hi)]
+        chunks.append(
+            StageChunk(
+                model, c, len(bounds), [seq[i] for i in range(lo, hi)], embed, head, names, activation_checkpointing
+            )
+        )
+    return chunks

@@ -1,0 +1,104 @@
+"""Split backward for zero-bubble schedules: input gradients now, weight gradients later.
+
+While a :class:`WeightGradStore` captures, every patched ``nn.Linear`` computes only the gradient
+of its input in backward and queues ``(input, grad_output)``; :meth:`WeightGradStore.flush` later
+computes ``grad_W = grad_out^T x`` and ``grad_b = sum(grad_out)`` with the same products autograd
+would have used, and accumulates them into ``.grad``. Linear layers hold nearly all of a
+transformer's weight-gradient work; the few other parameters (norms, embeddings) get theirs in
+the input-gradient pass. This is how the zero-bubble paper's own implementation splits it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["WeightGradStore"]
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, module):  # noqa: D102
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.store, ctx.module = bias is not None, store, module
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        x, weight = ctx.saved_tensors
+        store = ctx.store
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        wants = ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])
+        if store.queue is not None and wants:
+            store.queue.append((x, grad_out, ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.module))
+            return grad_x, None, None, None, None
+        gw, gb = _weight_grads(x, grad_out, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        return grad_x, gw, gb, None, None
+
+
+def _weight_grads(x, grad_out, want_w, want_b):
+    go = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
+    gw = go.t() @ x.reshape(-1, x.shape[-1]) if want_w else None  # (out, in)
+    gb = go.sum(0) if want_b else None  # (out,)
+    return gw, gb
+
+
+class WeightGradStore:
+    """Queues of deferred linear weight gradients, one per (micro-batch, chunk) key."""
+
+    def __init__(self) -> None:
+        self.queue: list | None = None
+        """The queue being filled (``None``: backward computes weight gradients at once)."""
+        self._queues: dict[object, list] = {}
+
+    def patch(self, module: nn.Module) -> int:
+        """Route every ``nn.Linear`` under ``module`` through the deferring function; returns
+        how many were patched. Outside :meth:`capture` they behave exactly as before."""
+        n = 0
+        for mod in module.modules():
+            if isinstance(mod, nn.Linear) and not getattr(mod, "_colossal_deferred", False):
+                mod.forward = types.MethodType(_deferred_forward, mod)
+                mod._colossal_deferred, mod._colossal_store = True, self
+                n += 1
+        return n
+
+    @contextmanager
+    def capture(self, key: object) -> Iterator[None]:
+        """Defer the weight gradients of every backward run inside to :meth:`flush` of ``key``."""
+        if key in self._queues:
+            raise RuntimeError(f"weight gradients of {key!r} are already pending")
+        self.queue = self._queues[key] = []
+        try:
+            yield
+        finally:
+            self.queue = None
+
+    def flush(self, key: object) -> None:
+        """Compute and accumulate the weight gradients deferred under ``key``."""
+        for x, grad_out, want_w, want_b, mod in self._queues.pop(key):
+            gw, gb = _weight_grads(x, grad_out, want_w, want_b and mod.bias is not None)
+            if gw is not None:
+                _accumulate(mod.weight, gw)
+            if gb is not None:
+                _accumulate(mod.bias, gb)
+
+    @property
+    def pending(self) -> int:
+        """Number of keys whose weight gradients are still deferred."""
+        return len(self._queues)
+
+
+def _deferred_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _DeferredLinear.apply(x, self.weight, self.bias, self._colossal_store, self)

@@ -1,0 +1,9 @@
+"""The package imports and carries a version."""
+
+import importlib.metadata
+
+
+def test_import_and_version():
+    import colossal.pipeline  # noqa: F401
+
+    assert importlib.metadata.version("colossal-pipeline")

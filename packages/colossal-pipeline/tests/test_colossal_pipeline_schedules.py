@@ -1,0 +1,112 @@
+"""Schedules, run by the pure-Python simulator over a grid of (p, m, v): no deadlock, every
+transfer matches, and the measured peak activations and bubble equal the papers' formulas."""
+
+import itertools
+
+import pytest
+
+from colossal.pipeline import (
+    ActionKind,
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    ScheduleError,
+    ZeroBubbleH1,
+    get_schedule,
+    simulate,
+)
+from colossal.pipeline.schedules import Action, Schedule
+
+PS, MS, VS = (1, 2, 3, 4, 8), (1, 2, 3, 4, 6, 8, 16), (1, 2, 3)
+
+
+def _grid(cls):
+    for p, m, v in itertools.product(PS, MS, VS):
+        if v > 1 and not cls.virtual:
+            continue
+        try:
+            yield p, m, v, cls(p, m, v)
+        except ValueError:
+            assert cls is Interleaved1F1B and (m < p or m % p), (p, m, v)
+
+
+def test_gpipe_grid():
+    for p, m, _, s in _grid(GPipe):
+        r = simulate(s)
+        assert r.peak_inflight == (m,) * p  # every micro-batch held until the backward starts
+        assert r.makespan == 3 * (m + p - 1)  # F=1, B=2
+        assert r.bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_1f1b_grid():
+    for p, m, _, s in _grid(OneFOneB):
+        r = simulate(s)
+        assert r.peak_inflight == tuple(min(m, p - i) for i in range(p))
+        assert r.makespan == 3 * (m + p - 1)
+        assert r.bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_interleaved_grid():
+    for p, m, v, s in _grid(Interleaved1F1B):
+        r = simulate(s)
+        # Narayanan et al. 2021: warm-up 2(p - r - 1) + (v - 1)p forwards, then one more before
+        # the first backward; chunk-sized activations
+        assert r.peak_inflight == tuple(min(m * v, 2 * (p - i - 1) + (v - 1) * p + 1) for i in range(p))
+        # the bubble shrinks by v: (p - 1)/v of a whole-stage F+B, against m of them
+        assert r.bubble == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+
+
+def test_zero_bubble_grid():
+    for p, m, _, s in _grid(ZeroBubbleH1):
+        r, one = simulate(s), simulate(OneFOneB(p, m))
+        assert r.peak_inflight == one.peak_inflight  # H1: 1F1B's activation memory
+        assert r.makespan <= one.makespan
+        if m >= p:  # T_F = T_BI = T_BW: bubble (p - 1) T_F, a third of 1F1B's 3 (p - 1)
+            assert r.makespan == 3 * m + (p - 1)
+            assert r.bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def test_every_action_once_on_its_rank():
+    s = Interleaved1F1B(4, 8, 2)
+    computes = [a for r in range(4) for a in s.compute_order(r)]
+    assert len(computes) == len(set(computes)) == 2 * 8 * 8
+    assert all(s.rank_of(a.chunk) == r for r in range(4) for a in s.compute_order(r))
+
+
+def test_simulator_catches_deadlock_and_mismatch():
+    class Swapped(OneFOneB):  # the first stage runs its first two backwards out of order
+        def compute_order(self, rank):
+            order = super().compute_order(rank)
+            if rank == 0:
+                b = [i for i, a in enumerate(order) if a.kind == ActionKind.B]
+                order[b[0]], order[b[1]] = order[b[1]], order[b[0]]
+            return order
+
+    with pytest.raises(ScheduleError, match="expecting"):
+        simulate(Swapped(2, 4))
+
+    class Starved(Schedule):  # rank 0 waits for a gradient before it ever sends a forward
+        name = "starved"
+
+        def compute_order(self, rank):
+            if rank == 0:
+                return [Action(ActionKind.B, 0, 0), Action(ActionKind.F, 0, 0)]
+            return [Action(ActionKind.F, 0, 1), Action(ActionKind.B, 0, 1)]
+
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(Starved(2, 1))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("interleaved", 4, 2, 2), "at least 4 micro-batches"),
+        (("interleaved", 4, 6, 2), "divisible by the 4 stages"),
+        (("1f1b", 4, 8, 2), "one chunk per rank"),
+        (("pipedream", 2, 2, 1), "pp_schedule must be one of"),
+        (("gpipe", 2, 0, 1), "n_microbatches must be a positive int"),
+    ],
+)
+def test_bad_schedule_config(args, match):
+    with pytest.raises(ValueError, match=match):
+        get_schedule(*args)

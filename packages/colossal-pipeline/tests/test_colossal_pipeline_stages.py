@@ -1,0 +1,71 @@
+"""Locating the block sequence, partitioning it, measuring block costs, and the split backward."""
+
+import copy
+
+import pytest
+import torch
+from pp_testing import TinyGPT, batch, lm_loss, rel_err
+from torch import nn
+
+from colossal.pipeline import WeightGradStore, find_blocks, measure_block_costs, partition_blocks
+
+
+def test_find_blocks_by_name_and_candidates():
+    m = TinyGPT()
+    assert find_blocks(m) == ("blocks", m.blocks)
+    seq = nn.Sequential(nn.Linear(2, 2))
+    holder = nn.Module()
+    holder.transformer = nn.Module()
+    holder.transformer.h = seq
+    assert find_blocks(holder) == ("transformer.h", seq)
+    with pytest.raises(ValueError, match="has no block sequence: looked for"):
+        find_blocks(nn.Linear(2, 2))
+
+
+def test_partition_methods():
+    assert partition_blocks(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="8 blocks are not divisible by pp \\* v = 3"):
+        partition_blocks(8, 3)
+    with pytest.raises(ValueError, match="cannot fill 9 chunks"):
+        partition_blocks(8, 9)
+    assert partition_blocks(5, 2, "sizes", sizes=[4, 1]) == [(0, 4), (4, 5)]
+    # one heavy block gets a chunk of its own; the embedding weight pushes blocks off chunk 0
+    assert partition_blocks(4, 2, "cost", weights=[1, 1, 1, 5]) == [(0, 3), (3, 4)]
+    assert partition_blocks(4, 2, "params", weights=[1, 1, 1, 1], first=3) == [(0, 1), (1, 4)]
+
+
+def test_balanced_partition_is_optimal():
+    import itertools
+
+    w = [3, 1, 4, 1, 5, 9, 2, 6]
+    got = partition_blocks(8, 3, "cost", weights=w)
+    best = min(
+        max(sum(w[a:b]) for a, b in zip((0, i, j), (i, j, 8))) for i, j in itertools.combinations(range(1, 8), 2)
+    )
+    assert max(sum(w[a:b]) for a, b in got) == best
+
+
+def test_measure_block_costs():
+    torch.manual_seed(0)
+    m = TinyGPT(n_blocks=3)
+    costs = measure_block_costs(m, batch(0)[0])
+    assert len(costs) == 3 and all(c.time_s > 0 for c in costs)
+    assert costs[0].params == sum(p.numel() for p in m.blocks[0].parameters())
+    assert costs[0].activation_bytes == costs[1].activation_bytes > 0  # equal blocks save equal bytes
+
+
+def test_split_backward_equals_backward():
+    torch.manual_seed(0)
+    ref = TinyGPT(tied=True)
+    model = copy.deepcopy(ref)
+    store = WeightGradStore()
+    assert store.patch(model) == 4 * len(model.blocks) + 1
+    idx, tgt = batch(0)
+    lm_loss(ref(idx), tgt).backward()
+    with store.capture("mb0"):
+        lm_loss(model(idx), tgt).backward()
+    assert model.blocks[0].fc.weight.grad is None and model.blocks[0].ln_1.weight.grad is not None
+    store.flush("mb0")
+    assert store.pending == 0
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(a.grad, b.grad) <= 1e-6, n

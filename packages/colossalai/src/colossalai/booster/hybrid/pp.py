@@ -1,0 +1,169 @@
+"""The pipeline axis of the hybrid plugin: ``colossal.pipeline`` on the mesh's ``pp`` axis.
+
+``apply_pp`` splits the (already tensor-parallel) model into this rank's stages; the Booster then
+drives each step through :meth:`HybridParallelPlugin.execute_pipeline` (``booster.execute_pipeline``),
+since no single forward call exists any more. After the pipeline step the gradients are averaged
+over ``dp`` (plain data parallelism; ZeRO reduces its own), and clipping takes the norm of the
+whole model over ``pp x tp`` (see ``[Note: the global gradient norm under pp]``).
+
+[Note: the global gradient norm under pp]
+Each pipeline stage holds different parameters, so the squared norm is summed over the ``pp``
+group as well as ``tp``; an element held by ``m`` ranks of that product group (replicated over
+``m`` tp ranks, or the tied embedding's two copies on the first and last stage) is weighted by
+``m^(-1/p)``, so it counts once. dp replicas hold equal gradients after the average and are not
+summed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colossalai.booster.hybrid.shards import multiplicity
+from colossalai.booster.wrappers import BoostedOptimizer
+
+__all__ = ["PipelineModule", "PipelineOptimizer", "apply_pp", "average_over_dp", "stage_view", "SCHEDULES"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+"""Values of ``HybridParallelPlugin(pp_schedule=...)``."""
+
+
+def _gpt_embed(m: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The ``colossalai`` GPT's embedding: token + position, dropout ((B, T) -> (B, T, C))."""
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    return m.drop(m.wte(idx) + m.wpe(pos))
+
+
+def stage_fns(model: nn.Module, gather=None):
+    """``(embed, head)`` of the first and last stage: the GPT plan when the model has GPT's
+    ``wte``/``wpe``/``drop``/``ln_f``/``lm_head``, else ``colossal.pipeline``'s defaults (the children
+    before / after the blocks, in order). ``gather`` (tensor parallel) gathers the split logits."""
+    names = {n for n, _ in model.named_children()}
+    is_gpt = {"wte", "wpe", "drop", "ln_f", "lm_head"} <= names
+    embed = _gpt_embed if is_gpt else None
+    if is_gpt:
+        head = (lambda m, x: gather(m.lm_head(m.ln_f(x)))) if gather else (lambda m, x: m.lm_head(m.ln_f(x)))
+    else:
+        head = None
+        if gather is not None:
+            raise NotImplementedError("pipeline x tensor parallel needs the GPT stage plan (wte, wpe, ln_f, lm_head)")
+    return embed, head
+
+
+def apply_pp(model: nn.Module, mesh, *, num_microbatches: int, schedule: str, virtual: int, gather, device):
+    """Split ``model`` over the mesh's ``pp`` axis; returns the ``colossal.pipeline.PipelineParallel``."""
+    from colossal.pipeline import PipelineConfig, PipelineParallel
+
+    ckpt = bool(getattr(getattr(model, "config", None), "activation_checkpointing", False))
+    cfg = PipelineConfig(
+        num_microbatches=num_microbatches, schedule=schedule, virtual=virtual, activation_checkpointing=ckpt
+    )
+    embed, head = stage_fns(model, gather)
+    return PipelineParallel(model, cfg, mesh.group("pp"), embed=embed, head=head, device=device)
+
+
+class PipelineModule(nn.Module):
+    """This rank's stages of the user's model; run steps with ``booster.execute_pipeline``."""
+
+    def __init__(self, module: nn.Module, pipe) -> None:
+        super().__init__()
+        self.module = module
+        self.__dict__["pipe"] = pipe  # not a submodule
+
+    def forward(self, *args, **kwargs):
+        """Not available under pipeline parallelism (no rank holds the whole forward)."""
+        raise RuntimeError(
+            "a pipeline-parallel model has no single forward: use booster.execute_pipeline((x, y), model, "
+            "criterion, optimizer), which runs forward and backward of all micro-batches"
+        )
+
+
+def replicas_over_pp_tp(pipe, dense_shapes: dict[str, torch.Size], tp_size: int) -> dict[int, int]:
+    """parameter id -> ranks of the pp x tp group holding each of its elements."""
+    named = dict(pipe.named_parameters())
+    tied = {id(named[n]) for n in pipe.tied_names}
+    return {
+        id(p): multiplicity(p, dense_shapes[n], tp_size) * (2 if id(p) in tied else 1)
+        for n, p in pipe.named_parameters()
+    }
+
+
+def stage_view(model: nn.Module) -> nn.Module:
+    """A module tree holding only this rank's real parameters under their original names (the
+    other stages' are meta): what a ZeRO engine over dp shards. Ties stay ties."""
+    root = nn.Module()
+    for name, p in model.named_parameters():  # first names of tied ones
+        if p.is_meta:
+            continue
+        *path, attr = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(attr, p)
+    return root
+
+
+@torch.no_grad()
+def average_over_dp(params: list[nn.Parameter], group) -> None:
+    """Average the gradients over the data-parallel ``group`` in one flat all-reduce."""
+    from colossal.comm import all_reduce
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or torch.distributed.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, "avg", group, tag="hybrid.pp.dp_grad")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class PipelineOptimizer(BoostedOptimizer):
+    """Clips by the norm of the whole model's gradients over ``pp x tp`` (``[Note: the global
+    gradient norm under pp]``). With a loss ``scaler`` (fp16) the overflow check is agreed over
+    ``pp x tp`` (dp replicas hold equal, averaged gradients): an inf on any stage or tp block
+    skips the step, and backs the scale off, on every rank."""
+
+    def __init__(self, optimizer, replicas: dict[int, int], group, scaler=None) -> None:
+        super().__init__(optimizer, scaler)
+        self.replicas, self.norm_group = replicas, group
+
+    def step(self, *args, **kwargs) -> None:
+        """Unscale, then step unless a gradient overflowed on any rank of ``pp x tp`` (fp16)."""
+        if self.scaler is None:
+            return super().step(*args, **kwargs)
+        import functools
+
+        from colossal.comm import all_reduce
+        from colossal.optim import has_inf_or_nan
+
+        self._unscale()
+        reduce = functools.partial(all_reduce, tag="hybrid.pp.overflow")
+        found_inf = has_inf_or_nan(self._grads(), self.norm_group, all_reduce=reduce)
+        self.scaler.update(found_inf)
+        self.last_step_skipped = found_inf
+        if not found_inf:
+            self.optim.step(*args, **kwargs)
+        self._unscaled = False
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Total norm of the dense gradients (the same on every rank), clipped in place."""
+        from colossal.optim import grad_norm
+
+        self._unscale()
+        p = float(norm_type)
+        grads = []
+        for param in self.params:
+            if param.grad is None:
+                continue
+            m = self.replicas.get(id(param), 1)
+            grads.append(param.grad if m == 1 or p == float("inf") else param.grad * m ** (-1.0 / p))
+        total = grad_norm(grads, p, group=self.norm_group)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.device))
+        return total

@@ -1,0 +1,26 @@
+"""The sequence-parallel axis of the hybrid plugin: ring / all-to-all attention on the ``sp`` axis."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from colossalai.booster.hybrid.wrappers import SequenceParallel, sequence_after_tensor
+
+__all__ = ["apply_sp"]
+
+
+def apply_sp(model: nn.Module, inner: nn.Module, mesh, kind: str, dense_shapes: dict) -> SequenceParallel:
+    """Sequence parallel over ``sp``; ``inner`` is ``model`` itself or, after :func:`.tp.apply_tp`,
+    its gathering wrapper. After tp the tensor-parallel layers run unchanged on each ``T/sp``
+    chunk, the attention core becomes ring / all-to-all over the local heads, and the (converted)
+    position embedding sees global positions (``[Note: tensor x sequence parallel]`` in
+    :mod:`colossalai.booster.hybrid.wrappers`)."""
+    from colossal.tensor_parallel import parallelize
+
+    sp = mesh.group("sp")
+    if inner is model:
+        parallelize(model, "sequence", sp, kind=kind)
+    else:
+        sequence_after_tensor(model, sp, kind, dense_shapes)
+    return SequenceParallel(inner, sp, torch.distributed.get_world_size(sp))
