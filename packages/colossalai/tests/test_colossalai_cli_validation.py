@@ -18,6 +18,8 @@ BAD_TRAIN = [
     ([*HYBRID, "--tp-size", "3", "--nproc", "1"], "tp 3 = 3 processes per model replica must divide the world size 1"),
     (["--nproc", "0"], "--nproc must be >= 1, got 0"),
     (["--tp-size", "2"], "--tp-size applies to --plugin hybrid, got --plugin ddp"),
+    (["--pp-size", "2"], "--pp-size applies to --plugin hybrid, got --plugin ddp"),
+    (["--plugin", "zero", "--microbatches", "4"], "--microbatches applies to --plugin hybrid"),
     (["--plugin", "gemini", "--offload"], "--offload applies to --plugin zero"),
     (["--plugin", "zero", "--placement", "static"], "--placement applies to --plugin gemini"),
     ([*HYBRID, "--tp-mode", "2d", "--tp-size", "2", "--nproc", "2"], "needs tp_size = q^2"),

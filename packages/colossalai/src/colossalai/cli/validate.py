@@ -33,7 +33,17 @@ class UsageError(ValueError):
 PLUGIN_FLAGS: dict[str, tuple[str, ...]] = {
     "gemini": ("device_budget", "placement"),
     "zero": ("zero_stage", "offload"),
-    "hybrid": ("tp_size", "tp_mode", "tp_depth", "sp_size", "sp_kind"),
+    "hybrid": (
+        "tp_size",
+        "tp_mode",
+        "tp_depth",
+        "sp_size",
+        "sp_kind",
+        "pp_size",
+        "microbatches",
+        "pp_schedule",
+        "pp_virtual",
+    ),
 }
 """Plugin -> the ``train`` options (argparse ``dest``) that only it reads."""
 
