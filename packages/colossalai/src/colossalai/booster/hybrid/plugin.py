@@ -315,6 +315,16 @@ class HybridParallelPlugin(Plugin):
             full = {n: t for part in parts for n, t in part.items()}
         return full
 
+    def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every stage's entries: a pipeline rank holds only its own stages' tensors, but a
+        checkpoint (and the strict check against it) is of the whole model. Collective over pp."""
+        entries = super().checkpoint_entries(model)
+        if self.pp_size > 1:
+            parts = [None] * self.pp_size
+            torch.distributed.all_gather_object(parts, entries, group=self.mesh.group("pp"))
+            entries = {k: v for part in parts for k, v in part.items()}
+        return entries
+
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """torch's name-keyed optimizer state with parameter-shaped entries made portable."""
         if self._zero is not None:
