@@ -269,3 +269,37 @@ def test_every_plugin_trains_palm_like_plain_pytorch_on_two_ranks():
     for (name, kwargs), losses in zip(PLUGINS, got, strict=True):
         label = f"{name} {kwargs}"
         torch.testing.assert_close(torch.tensor(losses), ref, rtol=1e-5, atol=0, msg=lambda m, c=label: f"{c}: {m}")
+
+
+# ---- colossalai train --model palm ---------------------------------------------------------------
+def test_cli_options_for_palm():
+    from colossalai.cli import validate
+    from colossalai.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--model", "palm"])
+    validate.validate_train(args)  # the default preset becomes palm-tiny
+    for argv, message in (
+        (["--preset", "tiny"], "--preset tiny is not a --model palm preset"),
+        (["--plugin", "hybrid", "--nproc", "2"], "--plugin hybrid splits --model gpt only"),
+    ):
+        with pytest.raises(validate.UsageError, match=message):
+            validate.validate_train(parser.parse_args(["train", "--model", "palm", *argv]))
+    with pytest.raises(validate.UsageError, match="--preset palm-tiny is not a --model gpt preset"):
+        validate.validate_train(parser.parse_args(["train", "--preset", "palm-tiny"]))
+
+
+def test_cli_trains_palm_tiny():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    argv = ["train", "--model", "palm", "--steps", "8", "--seq-len", "32", "--batch-size", "8", "--warmup", "2"]
+    argv += ["--corpus-bytes", "100000", "--progress", "plain", "--log-every", "1", "--sample-tokens", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "colossalai.cli", *argv], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    losses = [float(m[1]) for m in re.finditer(r"step \d+/\d+ loss ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert f"PaLM palm-tiny: {palm_config('palm-tiny').num_parameters():,} parameters" in proc.stdout

@@ -17,6 +17,7 @@ from colossalai.models.palm import (
     z_loss,
 )
 from colossalai.models.presets import LAZY_THRESHOLD, PRESETS, build_gpt, gpt_config
+from colossalai.models.registry import MODELS, ModelFamily, model_family
 
 __all__ = [
     "GPT",
@@ -44,4 +45,7 @@ __all__ = [
     "PALM_PRESETS",
     "build_palm",
     "palm_config",
+    "MODELS",
+    "ModelFamily",
+    "model_family",
 ]
