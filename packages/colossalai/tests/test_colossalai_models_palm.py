@@ -289,17 +289,31 @@ def test_cli_options_for_palm():
         validate.validate_train(parser.parse_args(["train", "--preset", "palm-tiny"]))
 
 
-def test_cli_trains_palm_tiny():
+def _cli(*argv) -> str:
     import os
-    import re
     import subprocess
     import sys
 
-    argv = ["train", "--model", "palm", "--steps", "8", "--seq-len", "32", "--batch-size", "8", "--warmup", "2"]
-    argv += ["--corpus-bytes", "100000", "--progress", "plain", "--log-every", "1", "--sample-tokens", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "colossalai.cli", *argv], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr
-    losses = [float(m[1]) for m in re.finditer(r"step \d+/\d+ loss ([0-9.]+)", proc.stdout)]
-    assert len(losses) == 8 and losses[-1] < losses[0]
-    assert f"PaLM palm-tiny: {palm_config('palm-tiny').num_parameters():,} parameters" in proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_cli_trains_palm_tiny_and_resumes_it_under_zero_3(tmp_path):
+    """``colossalai train --model palm``: the loss falls; resuming the step-3 checkpoint under
+    ZeRO-3 on 2 processes repeats steps 4-6 of the uninterrupted single-process run."""
+    import re
+
+    argv = ["train", "--model", "palm", "--steps", "6", "--seq-len", "32", "--batch-size", "8", "--warmup", "2"]
+    argv += ["--corpus-bytes", "100000", "--progress", "plain", "--log-every", "1", "--sample-tokens", "8"]
+    out = _cli(*argv, "--save-every", "3", "--save-dir", str(tmp_path))
+    losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step (\d+)/\d+ loss ([0-9.]+)", out)}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+    assert f"PaLM palm-tiny: {palm_config('palm-tiny').num_parameters():,} parameters" in out
+    resumed = _cli(*argv, "--resume", str(tmp_path / "step-00000003"), "--nproc", "2", "--plugin", "zero",
+                   "--zero-stage", "3")  # fmt: skip
+    again = {int(m[1]): float(m[2]) for m in re.finditer(r"step (\d+)/\d+ loss ([0-9.]+)", resumed)}
+    assert sorted(again) == [4, 5, 6]
+    for step, loss in again.items():  # the log prints 6 decimals: ~2e-7 relative
+        assert abs(loss - losses[step]) <= 1e-5 * losses[step], (step, loss, losses[step])
