@@ -38,6 +38,7 @@ __all__ = [
     "MultiQueryAttention",
     "SwiGLU",
     "apply_rope",
+    "rope_angles",
     "z_loss",
     "palm_loss",
     "PALM_PRESETS",
