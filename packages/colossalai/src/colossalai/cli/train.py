@@ -18,7 +18,7 @@ from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
 from colossalai.cli.train_args import parse_bytes
 from colossalai.data import corpus_dataset, decode, encode
-from colossalai.models import build_gpt, gpt_config
+from colossalai.models import model_family
 
 __all__ = ["train", "criterion"]
 
@@ -73,9 +73,11 @@ def _setup(args: argparse.Namespace):
     dp = booster.plugin.dp_size()
     if args.batch_size % dp:
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
-    seq_len = args.seq_len or gpt_config(args.preset).block_size
-    model = build_gpt(
-        args.preset, seed=args.seed, block_size=seq_len, activation_checkpointing=args.activation_checkpointing
+    family = model_family(args.model)
+    preset = family.preset(args.preset)
+    seq_len = args.seq_len or family.config(preset).block_size
+    model = family.build(
+        preset, seed=args.seed, block_size=seq_len, activation_checkpointing=args.activation_checkpointing
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _schedule(optim, args.warmup, args.steps)
@@ -220,6 +222,12 @@ def _sample(model, n_tokens: int, seed: int, rows: int = 1, seq_multiple: int = 
     return decode(out[0].cpu())
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    """'GPT tiny', 'PaLM palm-tiny': the family and preset of ``--model`` / ``--preset``."""
+    family = model_family(args.model)
+    return f"{family.label} {family.preset(args.preset)}"
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run ``colossalai train`` in this process (one rank of the job); returns the summary figures."""
     from colossal.comm import launch
@@ -239,7 +247,7 @@ def train(args: argparse.Namespace) -> dict:
     sample = _sample(model, args.sample_tokens, args.seed, tp, sp) if args.sample_tokens > 0 and pp == 1 else ""
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
-        "model": f"GPT {args.preset}: {model.unwrap().config.num_parameters():,} parameters",
+        "model": f"{_model_name(args)}: {model.unwrap().config.num_parameters():,} parameters",
         "steps": f"{start} -> {state.step}",
         "loss": f"{first:.4f} -> {last:.4f}" if first is not None else "n/a",
         "tokens/s": f"{meters.tokens_per_s():,.0f}",

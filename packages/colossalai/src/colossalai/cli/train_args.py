@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from colossalai.booster.registry import PLUGINS
-from colossalai.models import PRESETS
+from colossalai.models import MODELS
 
 __all__ = ["add_train_arguments"]
 
@@ -13,7 +13,9 @@ __all__ = ["add_train_arguments"]
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """Register every ``train`` option on ``p``."""
     p.add_argument("--plugin", default="ddp", choices=sorted(PLUGINS), help="parallel layout (default ddp)")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="GPT size (default tiny)")
+    p.add_argument("--model", default="gpt", choices=list(MODELS), help="model family (default gpt)")
+    presets = [name for family in MODELS.values() for name in family.presets]
+    p.add_argument("--preset", default=None, choices=presets, help="model size (default tiny / palm-tiny)")
     p.add_argument("--nproc", type=int, default=1, help="processes on this host (relaunches through torchrun)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="mixed precision")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in total (default 200)")

@@ -174,15 +174,25 @@ def _split_rules(config, plugin, per_rank_batch: int, seq_len: int) -> list[tupl
 
 
 def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
-    """The preset (with ``--seq-len``) is a valid GPT that the plugin can split."""
-    from colossalai.models import gpt_config
+    """The preset (with ``--seq-len``) is a valid model of ``--model`` that the plugin can split."""
+    from colossalai.models import model_family
 
-    config = gpt_config(args.preset)
+    family = model_family(args.model)
+    if args.preset is not None and args.preset not in family.presets:
+        raise UsageError(
+            f"--preset {args.preset} is not a --model {args.model} preset; choose from {list(family.presets)}"
+        )
+    if args.model != "gpt" and args.plugin == "hybrid":  # its built-in tensor/sequence-parallel plan is the GPT's
+        raise UsageError(
+            f"--plugin hybrid splits --model gpt only; train --model {args.model} with ddp, fsdp, zero or gemini"
+        )
+    preset = family.preset(args.preset)
+    config = family.config(preset)
     seq_len = args.seq_len or config.block_size
     _check_corpus(args, seq_len)
     for value, by, what, by_what in _split_rules(config, plugin, args.batch_size // dp, seq_len):
         if value % by:
-            raise UsageError(f"GPT {args.preset}: {what} {value} must be divisible by {by_what} (= {by})")
+            raise UsageError(f"{family.label} {preset}: {what} {value} must be divisible by {by_what} (= {by})")
 
 
 def _check_processes(nproc: int) -> list[str]:
