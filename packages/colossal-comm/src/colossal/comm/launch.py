@@ -24,7 +24,15 @@ import re
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchInfo", "launch", "detect_launcher", "default_device", "default_backend"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "LaunchInfo",
+    "launch",
+    "detect_launcher",
+    "default_device",
+    "default_backend",
+    "resolve_timeout",
+]
 
 _SCHEMES = {
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -100,13 +108,40 @@ def detect_launcher(env: dict[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo("none", 0, 1, 0, "127.0.0.1", DEFAULT_PORT)
 
 
-def launch(backend: str | None = None, timeout: float = 1800.0, env: dict[str, str] | None = None) -> LaunchInfo:
+DEFAULT_TIMEOUT_S = 1800.0
+"""Process-group timeout of :func:`launch` unless ``timeout`` or ``COLOSSAL_COMM_TIMEOUT`` says
+otherwise: how long a collective waits for a peer that is alive but does not join (a rank that
+*dies* is noticed at once on gloo: its connections close)."""
+
+
+def resolve_timeout(timeout: float | None = None, env: dict[str, str] | None = None) -> float:
+    """``timeout`` if given, else ``COLOSSAL_COMM_TIMEOUT`` (seconds) from ``env``, else
+    :data:`DEFAULT_TIMEOUT_S`; ``ValueError`` naming the source for a value that is not positive."""
+    source = "timeout"
+    if timeout is None:
+        raw = (os.environ if env is None else env).get("COLOSSAL_COMM_TIMEOUT")
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        source = "COLOSSAL_COMM_TIMEOUT"
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"COLOSSAL_COMM_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if not timeout > 0:
+        raise ValueError(f"{source} must be positive seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def launch(backend: str | None = None, timeout: float | None = None, env: dict[str, str] | None = None) -> LaunchInfo:
     """Initialise the default process group from the launcher's environment and set the device.
 
-    Idempotent: when torch.distributed is already initialised it only reports. A plain process
-    (no launcher variables) becomes a world of size 1 on an in-memory store.
+    ``timeout`` (seconds) bounds every collective of the process group: default
+    ``COLOSSAL_COMM_TIMEOUT`` from the environment, else :data:`DEFAULT_TIMEOUT_S` (30 minutes,
+    torch's own default). Idempotent: when torch.distributed is already initialised it only
+    reports. A plain process (no launcher variables) becomes a world of size 1 on an in-memory store.
     """
     info = detect_launcher(env)
+    timeout = resolve_timeout(timeout, env)
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
