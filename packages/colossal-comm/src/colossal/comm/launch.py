@@ -154,8 +154,35 @@ def launch(backend: str | None = None, timeout: float | None = None, env: dict[s
     kwargs = dict(
         backend=backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout)
     )
+    env = os.environ if env is None else env
     if info.world_size == 1 and info.launcher == "none":
         dist.init_process_group(store=dist.HashStore(), **kwargs)
+    elif info.launcher == "torchrun" and "TORCHELASTIC_RESTART_COUNT" in env:
+        dist.init_process_group(store=_torchelastic_store(info, timeout, env), **kwargs)
     else:
         dist.init_process_group(init_method=f"tcp://{info.master_addr}:{info.master_port}", **kwargs)
     return info
+
+
+# [Note: a fresh store namespace per torchrun attempt]
+# torchrun (torch >= 2.4) shares one TCPStore, the agent's, between every attempt of a job started
+# with --max-restarts. The keys the process group wrote in attempt 0 (each rank's gloo address,
+# under "default_pg/0/") are still there in attempt 1, and a rank that reads a peer's key before
+# that peer has rewritten it connects to the dead process' port and fails ("Gloo connectFullMesh
+# failed ... Connection refused", or a hang); whether that happens depends on which rank starts
+# first (colossalai's restart test failed this way every time before this fix, a bare script with
+# fast start-up did not). Each attempt therefore works under its own prefix of the store.
+
+
+def _torchelastic_store(info: LaunchInfo, timeout: float, env) -> dist.Store:
+    """The rendezvous store of a torchrun worker, prefixed with the attempt (restart) number."""
+    agent_hosts_it = env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        info.master_addr,
+        info.master_port,
+        info.world_size,
+        is_master=not agent_hosts_it and info.rank == 0,
+        timeout=datetime.timedelta(seconds=timeout),
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"colossal/attempt{env['TORCHELASTIC_RESTART_COUNT']}", store)
