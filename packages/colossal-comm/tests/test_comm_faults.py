@@ -213,3 +213,35 @@ def test_torchrun_reports_a_rank_dying_mid_collective_in_seconds(tmp_path):
     report = out.stdout + out.stderr
     assert "exitcode  : 13" in report and "rank      : 1 " in report, report  # torchrun's failure table
     assert elapsed < 20 + BOUND_S, f"took {elapsed:.1f} s"  # ~10 s of it is starting Python + torch twice
+
+
+_RESTART_SCRIPT = """
+import os, time
+import torch
+import torch.distributed as dist
+from colossal.comm import all_reduce, launch
+
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 1:
+    time.sleep(3)  # rank 0 of the new attempt reaches the store first
+launch(backend="gloo")
+t = torch.ones(4)
+all_reduce(t)
+if attempt == 0 and rank == 1:
+    os._exit(13)
+all_reduce(t)
+print(f"attempt {attempt} rank {rank} sum {t.tolist()}", flush=True)
+"""
+
+
+def test_torchrun_restart_rendezvous_ignores_the_previous_attempt(tmp_path):
+    script = tmp_path / "restart.py"
+    script.write_text(_RESTART_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1", "--monitor-interval", "0.5", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLOSSAL_COMM_TIMEOUT": "30"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    for rank in (0, 1):
+        assert f"attempt 1 rank {rank} sum [4.0, 4.0, 4.0, 4.0]" in report, report
