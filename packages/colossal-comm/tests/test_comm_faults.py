@@ -15,7 +15,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from colossal.comm import CollectiveMismatchError, all_gather, all_reduce, broadcast, debug_enabled, set_debug
+from colossal.comm import (
+    CollectiveMismatchError,
+    all_gather,
+    all_gather_list,
+    all_reduce,
+    all_to_all,
+    all_to_all_dims,
+    broadcast,
+    debug_enabled,
+    reduce,
+    reduce_scatter,
+    ring_exchange,
+    set_debug,
+)
 from colossal.comm.launch import DEFAULT_TIMEOUT_S, resolve_timeout
 from colossal.comm.testing import RankFailure, run_distributed
 
@@ -148,10 +161,19 @@ def test_debug_mode_names_a_rank_that_never_reaches_the_collective():
 
 def _agree() -> list:
     set_debug(True, timeout=30)
-    t = torch.arange(4.0) + dist.get_rank()
+    rank = dist.get_rank()
+    t = torch.arange(4.0) + rank
     all_reduce(t)
     gathered = all_gather(t.clone())
     broadcast(t, src=1)
+    # Every other collective, issued the same way on both ranks, passes the check; uneven
+    # all_to_all splits legitimately differ in rows per rank.
+    reduce_scatter(torch.ones(4, 3), op="max", dim=0)
+    all_to_all(torch.ones(1 + rank, 2), output_split_sizes=[[1, 1], [0, 1]][rank], input_split_sizes=[1, rank])
+    all_to_all_dims(torch.ones(2, 4), scatter_dim=1, gather_dim=0)
+    reduce(torch.ones(3), dst=0, op=torch.distributed.ReduceOp.MIN)
+    all_gather_list(torch.ones(2))
+    ring_exchange(torch.ones(2))
     return [t, gathered]
 
 

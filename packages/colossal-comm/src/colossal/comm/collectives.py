@@ -95,11 +95,6 @@ def _reduce_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
     return op
 
 
-def _op_name(op: str | dist.ReduceOp) -> str:
-    """A reduction's name for debug fingerprints (``"sum"``, or torch's own spelling)."""
-    return op if isinstance(op, str) else str(op).rsplit(".", 1)[-1].lower()
-
-
 def _check_tensor(name: str, tensor: Any) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -122,13 +117,14 @@ def _issue(
     issue: Callable[[], Any],
     finish: Callable[[], Any],
     ranks: tuple[int, ...] | None = None,
-    detail: str = "",
+    detail: tuple = (),
     debug_shape: list | None = None,
 ) -> Any:
     """Issue one operation (always asynchronously underneath), then wait or hand back a handle.
 
-    ``detail`` and ``debug_shape`` (default: ``tensor``'s shape) are what debug mode compares
-    across ranks besides the op, dtype and group (``colossal.comm.debug``).
+    ``detail`` (raw ``(name, value)`` pairs, formatted only in debug mode) and ``debug_shape``
+    (default: ``tensor``'s shape) are what debug mode compares across ranks besides the op, dtype
+    and group (``colossal.comm.debug``).
     """
     if debug.ENABLED:
         debug.check_collective(name, group, tensor, detail, debug_shape)
@@ -184,7 +180,7 @@ def all_reduce(
         tag,
         lambda: dist.all_reduce(tensor, op=rop, group=group, async_op=True),
         lambda: tensor,
-        detail=_op_name(op),
+        detail=(("op", op),),
     )
 
 
@@ -263,7 +259,7 @@ def all_gather(
             return stacked.reshape(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else stacked
         return torch.cat(stacked.unbind(0), dim=dim)
 
-    detail = f"dim={dim}"
+    detail = (("dim", dim),)
     return _issue("all_gather", group, tensor, n * _nbytes(tensor), async_op, tag, issue, finish, detail=detail)
 
 
@@ -321,7 +317,7 @@ def reduce_scatter(
         mine = src.narrow(0, dist.get_rank(group) * out.shape[0], out.shape[0])
         issue = lambda: dist.all_reduce(src, op=rop, group=group, async_op=True)  # noqa: E731
         finish = lambda: out.copy_(mine) if dim == 0 else out.copy_(mine).movedim(0, dim)  # noqa: E731
-    detail = f"{_op_name(op)}, dim={dim}"
+    detail = (("op", op), ("dim", dim))
     return _issue("reduce_scatter", group, tensor, _nbytes(tensor), async_op, tag, issue, finish, detail=detail)
 
 
@@ -393,7 +389,7 @@ def all_to_all_dims(
         tag,
         lambda: dist.all_to_all_single(out, src, group=group, async_op=True),
         lambda: torch.cat(out.unbind(0), dim=gather_dim),
-        detail=f"scatter_dim={scatter_dim}, gather_dim={gather_dim}",
+        detail=(("scatter_dim", scatter_dim), ("gather_dim", gather_dim)),
     )
 
 
@@ -412,7 +408,7 @@ def broadcast(
         tag,
         lambda: dist.broadcast(tensor, gsrc, group=group, async_op=True),
         lambda: tensor,
-        detail=f"src={src}",
+        detail=(("src", src),),
     )
 
 
@@ -436,7 +432,7 @@ def reduce(
         tag,
         lambda: dist.reduce(tensor, gdst, op=rop, group=group, async_op=True),
         lambda: tensor,
-        detail=f"{_op_name(op)}, dst={dst}",
+        detail=(("op", op), ("dst", dst)),
     )
 
 
@@ -536,5 +532,5 @@ def ring_exchange(
         tag,
         lambda: dist.batch_isend_irecv(ops),
         lambda: out,
-        detail=f"shift={shift}",
+        detail=(("shift", shift),),
     )

@@ -90,12 +90,24 @@ def _describe(fp: dict) -> str:
     return f"{fp['op']}{detail} {fp['dtype']}{fp['shape']} on ranks {fp['ranks']} at {fp['site']}"
 
 
+def _format_detail(detail: tuple) -> str:
+    """``(("op", "sum"), ("dim", 0))`` -> ``"sum, dim=0"`` (a reduction shows by its name alone)."""
+    parts = []
+    for key, value in detail:
+        if key == "op":
+            parts.append(value if isinstance(value, str) else str(value).rsplit(".", 1)[-1].lower())
+        else:
+            parts.append(f"{key}={value}")
+    return ", ".join(parts)
+
+
 def check_collective(
-    name: str, group: ProcessGroup | None, tensor: torch.Tensor, detail: str = "", shape: list | None = None
+    name: str, group: ProcessGroup | None, tensor: torch.Tensor, detail: tuple = (), shape: list | None = None
 ) -> None:
     """Compare this collective with the other ranks' collective of the same sequence number
     (see ``[Note: how the sequence check works]``); raise :class:`CollectiveMismatchError` on a
-    divergence. Called by every ``colossal.comm`` collective while debug mode is on."""
+    divergence. Called by every ``colossal.comm`` collective while debug mode is on; ``detail``
+    holds ``(name, value)`` pairs (reduction, root, dims) that must also agree."""
     if name in _P2P or not dist.is_initialized():
         return
     group = group if group is not None else dist.group.WORLD
@@ -107,7 +119,7 @@ def check_collective(
     seq, me = _counters[gname], dist.get_rank()
     fp = {
         "op": name,
-        "detail": detail,
+        "detail": _format_detail(detail),
         "shape": list(tensor.shape) if shape is None else list(shape),
         "dtype": str(tensor.dtype).removeprefix("torch."),
         "ranks": ranks,
