@@ -171,7 +171,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--resume-every", type=int, default=50)
     parser.add_argument("--overflow-every", type=int, default=10)
-    parser.add_argument("--max-rss-slope", type=float, default=16.0, help="KiB per step")
+    parser.add_argument(
+        "--max-rss-slope", type=float, default=16.0, help="KiB per step (for the default resume period of 50 steps)"
+    )
     args = parser.parse_args()
     from colossal.comm.testing import run_distributed
 
