@@ -188,12 +188,11 @@ def run_distributed(
     ctx = _context(start_method)
     with tempfile.TemporaryDirectory(prefix="colossal-dist-") as tmp:
         store, stack_paths = os.path.join(tmp, "store"), [pathlib.Path(tmp, f"stack{r}") for r in range(world_size)]
-        results = ctx.Queue()
+        results, stacks = ctx.Queue(), [str(path) for path in stack_paths]
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store, fn, args, kwargs, results, str(stack_paths[r]), backend, threads)
-                + (pg_timeout,),
+                args=(r, world_size, store, fn, args, kwargs, results, stacks[r], backend, threads, pg_timeout),
                 name=f"colossal-rank{r}",
                 daemon=True,
             )
