@@ -24,7 +24,7 @@ PACKAGES_DIR = ROOT / "packages"
 TORCH_SPEC = os.environ.get("COLOSSAL_TORCH_SPEC", "torch==2.13.0")
 PACKAGES = sorted(p.name for p in PACKAGES_DIR.iterdir() if (p / "pyproject.toml").exists())
 
-nox.options.sessions = ["tests", "lint", "docs"]
+nox.options.sessions = ["tests", "lint", "docs"]  # + "flakes" (3 random orders) before a release
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
@@ -82,6 +82,43 @@ def tests(session: nox.Session, package: str) -> None:
         "no:cacheprovider",
         *session.posargs,
     )
+
+
+FLAKE_SEEDS = (1, 2, 3)
+"""pytest-randomly seeds of ``nox -s flakes``: three shuffled orders of every package's suite."""
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def flakes(session: nox.Session, package: str) -> None:
+    """Run one package's tests three times, each in a different random order (pytest-randomly,
+    seeds ``FLAKE_SEEDS`` or ``-- --seeds 7,8,9``); any failure is an order dependency or a flake.
+
+    pytest-randomly is a tool of this session only, not a test dependency of the packages.
+    """
+    args = list(session.posargs)
+    seeds = FLAKE_SEEDS
+    if "--seeds" in args:
+        i = args.index("--seeds")
+        seeds = tuple(int(s) for s in args[i + 1].split(","))
+        del args[i : i + 2]
+    install_packages(session, sibling_closure(package, ("test",)) + [package], {package: "test"})
+    session.install("-c", _constraints(session), "pytest-randomly>=3.15")
+    session.env.setdefault("OMP_NUM_THREADS", "1")
+    for seed in seeds:
+        session.log(f"{package}: random order, seed {seed}")
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            str(PACKAGES_DIR / package / "tests"),
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "randomly",
+            f"--randomly-seed={seed}",
+            *args,
+        )
 
 
 @nox.session

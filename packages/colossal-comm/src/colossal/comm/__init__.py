@@ -20,6 +20,7 @@ from colossal.comm.collectives import (
     ring_exchange,
     send,
 )
+from colossal.comm.debug import CollectiveMismatchError, debug_enabled, set_debug
 from colossal.comm.events import (
     CommCounter,
     CommEvent,
@@ -44,6 +45,7 @@ from colossal.comm.mesh import Axis, Mesh
 
 __all__ = [
     "Axis",
+    "CollectiveMismatchError",
     "CommCounter",
     "CommEvent",
     "CommHandle",
@@ -66,6 +68,7 @@ __all__ = [
     "broadcast",
     "bus_factor",
     "copy_to_group",
+    "debug_enabled",
     "default_backend",
     "default_device",
     "detect_launcher",
@@ -81,5 +84,6 @@ __all__ = [
     "register_observer",
     "ring_exchange",
     "send",
+    "set_debug",
     "split_along_dim",
 ]

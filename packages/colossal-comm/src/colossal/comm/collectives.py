@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from colossal.comm import events
+from colossal.comm import debug, events
 
 __all__ = [
     "CommHandle",
@@ -117,8 +117,17 @@ def _issue(
     issue: Callable[[], Any],
     finish: Callable[[], Any],
     ranks: tuple[int, ...] | None = None,
+    detail: tuple = (),
+    debug_shape: list | None = None,
 ) -> Any:
-    """Issue one operation (always asynchronously underneath), then wait or hand back a handle."""
+    """Issue one operation (always asynchronously underneath), then wait or hand back a handle.
+
+    ``detail`` (raw ``(name, value)`` pairs, formatted only in debug mode) and ``debug_shape``
+    (default: ``tensor``'s shape) are what debug mode compares across ranks besides the op, dtype
+    and group (``colossal.comm.debug``).
+    """
+    if debug.ENABLED:
+        debug.check_collective(name, group, tensor, detail, debug_shape)
     observing = events.has_observers()
     start = time.perf_counter() if observing else 0.0
     if torch.autograd.profiler._is_profiler_enabled:
@@ -171,6 +180,7 @@ def all_reduce(
         tag,
         lambda: dist.all_reduce(tensor, op=rop, group=group, async_op=True),
         lambda: tensor,
+        detail=(("op", op),),
     )
 
 
@@ -249,7 +259,8 @@ def all_gather(
             return stacked.reshape(n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else stacked
         return torch.cat(stacked.unbind(0), dim=dim)
 
-    return _issue("all_gather", group, tensor, n * _nbytes(tensor), async_op, tag, issue, finish)
+    detail = (("dim", dim),)
+    return _issue("all_gather", group, tensor, n * _nbytes(tensor), async_op, tag, issue, finish, detail=detail)
 
 
 def all_gather_list(
@@ -306,7 +317,8 @@ def reduce_scatter(
         mine = src.narrow(0, dist.get_rank(group) * out.shape[0], out.shape[0])
         issue = lambda: dist.all_reduce(src, op=rop, group=group, async_op=True)  # noqa: E731
         finish = lambda: out.copy_(mine) if dim == 0 else out.copy_(mine).movedim(0, dim)  # noqa: E731
-    return _issue("reduce_scatter", group, tensor, _nbytes(tensor), async_op, tag, issue, finish)
+    detail = (("op", op), ("dim", dim))
+    return _issue("reduce_scatter", group, tensor, _nbytes(tensor), async_op, tag, issue, finish, detail=detail)
 
 
 def all_to_all(
@@ -348,6 +360,7 @@ def all_to_all(
         tag,
         lambda: dist.all_to_all_single(out, src, outs, ins, group=group, async_op=True),
         lambda: out,
+        debug_shape=None if ins is None else ["*", *src.shape[1:]],  # uneven splits: rows may differ
     )
 
 
@@ -376,6 +389,7 @@ def all_to_all_dims(
         tag,
         lambda: dist.all_to_all_single(out, src, group=group, async_op=True),
         lambda: torch.cat(out.unbind(0), dim=gather_dim),
+        detail=(("scatter_dim", scatter_dim), ("gather_dim", gather_dim)),
     )
 
 
@@ -394,6 +408,7 @@ def broadcast(
         tag,
         lambda: dist.broadcast(tensor, gsrc, group=group, async_op=True),
         lambda: tensor,
+        detail=(("src", src),),
     )
 
 
@@ -417,6 +432,7 @@ def reduce(
         tag,
         lambda: dist.reduce(tensor, gdst, op=rop, group=group, async_op=True),
         lambda: tensor,
+        detail=(("op", op), ("dst", dst)),
     )
 
 
@@ -516,4 +532,5 @@ def ring_exchange(
         tag,
         lambda: dist.batch_isend_irecv(ops),
         lambda: out,
+        detail=(("shift", shift),),
     )

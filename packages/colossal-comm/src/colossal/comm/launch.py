@@ -24,7 +24,15 @@ import re
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchInfo", "launch", "detect_launcher", "default_device", "default_backend"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "LaunchInfo",
+    "launch",
+    "detect_launcher",
+    "default_device",
+    "default_backend",
+    "resolve_timeout",
+]
 
 _SCHEMES = {
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -100,13 +108,40 @@ def detect_launcher(env: dict[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo("none", 0, 1, 0, "127.0.0.1", DEFAULT_PORT)
 
 
-def launch(backend: str | None = None, timeout: float = 1800.0, env: dict[str, str] | None = None) -> LaunchInfo:
+DEFAULT_TIMEOUT_S = 1800.0
+"""Process-group timeout of :func:`launch` unless ``timeout`` or ``COLOSSAL_COMM_TIMEOUT`` says
+otherwise: how long a collective waits for a peer that is alive but does not join (a rank that
+*dies* is noticed at once on gloo: its connections close)."""
+
+
+def resolve_timeout(timeout: float | None = None, env: dict[str, str] | None = None) -> float:
+    """``timeout`` if given, else ``COLOSSAL_COMM_TIMEOUT`` (seconds) from ``env``, else
+    :data:`DEFAULT_TIMEOUT_S`; ``ValueError`` naming the source for a value that is not positive."""
+    source = "timeout"
+    if timeout is None:
+        raw = (os.environ if env is None else env).get("COLOSSAL_COMM_TIMEOUT")
+        if raw is None:
+            return DEFAULT_TIMEOUT_S
+        source = "COLOSSAL_COMM_TIMEOUT"
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"COLOSSAL_COMM_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if not timeout > 0:
+        raise ValueError(f"{source} must be positive seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def launch(backend: str | None = None, timeout: float | None = None, env: dict[str, str] | None = None) -> LaunchInfo:
     """Initialise the default process group from the launcher's environment and set the device.
 
-    Idempotent: when torch.distributed is already initialised it only reports. A plain process
-    (no launcher variables) becomes a world of size 1 on an in-memory store.
+    ``timeout`` (seconds) bounds every collective of the process group: default
+    ``COLOSSAL_COMM_TIMEOUT`` from the environment, else :data:`DEFAULT_TIMEOUT_S` (30 minutes,
+    torch's own default). Idempotent: when torch.distributed is already initialised it only
+    reports. A plain process (no launcher variables) becomes a world of size 1 on an in-memory store.
     """
     info = detect_launcher(env)
+    timeout = resolve_timeout(timeout, env)
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -119,8 +154,35 @@ def launch(backend: str | None = None, timeout: float = 1800.0, env: dict[str, s
     kwargs = dict(
         backend=backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout)
     )
+    env = os.environ if env is None else env
     if info.world_size == 1 and info.launcher == "none":
         dist.init_process_group(store=dist.HashStore(), **kwargs)
+    elif info.launcher == "torchrun" and "TORCHELASTIC_RESTART_COUNT" in env:
+        dist.init_process_group(store=_torchelastic_store(info, timeout, env), **kwargs)
     else:
         dist.init_process_group(init_method=f"tcp://{info.master_addr}:{info.master_port}", **kwargs)
     return info
+
+
+# [Note: a fresh store namespace per torchrun attempt]
+# torchrun (torch >= 2.4) shares one TCPStore, the agent's, between every attempt of a job started
+# with --max-restarts. The keys the process group wrote in attempt 0 (each rank's gloo address,
+# under "default_pg/0/") are still there in attempt 1, and a rank that reads a peer's key before
+# that peer has rewritten it connects to the dead process' port and fails ("Gloo connectFullMesh
+# failed ... Connection refused", or a hang); whether that happens depends on which rank starts
+# first (colossalai's restart test failed this way every time before this fix, a bare script with
+# fast start-up did not). Each attempt therefore works under its own prefix of the store.
+
+
+def _torchelastic_store(info: LaunchInfo, timeout: float, env) -> dist.Store:
+    """The rendezvous store of a torchrun worker, prefixed with the attempt (restart) number."""
+    agent_hosts_it = env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        info.master_addr,
+        info.master_port,
+        info.world_size,
+        is_master=not agent_hosts_it and info.rank == 0,
+        timeout=datetime.timedelta(seconds=timeout),
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"colossal/attempt{env['TORCHELASTIC_RESTART_COUNT']}", store)

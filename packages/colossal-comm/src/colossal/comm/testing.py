@@ -39,6 +39,10 @@ __all__ = ["run_distributed", "distributed_test", "preload", "RankFailure", "Ran
 _PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "colossal.comm"]
 
 
+_SURVIVOR_GRACE_S = 5.0
+"""After a rank dies, how long the harness waits for the survivors to raise before it kills them."""
+
+
 def preload(*modules: str) -> None:
     """Have the rank forkserver import ``modules`` once, before it forks any rank.
 
@@ -84,7 +88,7 @@ class _FnRef:
         return obj
 
 
-def _worker(rank, world_size, store_path, fn, args, kwargs, results, stack_path, backend, threads, timeout):
+def _worker(rank, world_size, store_path, fn, args, kwargs, results, stack_path, backend, threads, pg_timeout):
     import torch
     import torch.distributed as dist
 
@@ -102,7 +106,7 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, stack_path,
                 init_method=f"file://{store_path}",
                 rank=rank,
                 world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout),
+                timeout=datetime.timedelta(seconds=pg_timeout),
             )
             target = fn.resolve() if isinstance(fn, _FnRef) else fn
             value = pickle.dumps(target(*args, **kwargs))
@@ -158,28 +162,37 @@ def run_distributed(
     backend: str = "gloo",
     threads: int = 1,
     start_method: str = "forkserver",
+    pg_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes with torch.distributed
     initialised (ranks ``0..world_size-1``); return the list of their return values by rank.
 
     ``fn`` must be importable by name from a child process (a module-level function).
-    ``timeout`` (seconds) bounds the whole run; ``threads`` is each rank's torch thread count.
+    ``timeout`` (seconds) bounds the whole run; ``pg_timeout`` (seconds, default ``timeout``) is
+    the process group's own timeout (how long a collective waits for a peer that does not join);
+    ``threads`` is each rank's torch thread count.
+
+    A rank that dies (exits without reporting) fails the run with :class:`RankFailure` naming it
+    and its exit code, followed by what the surviving ranks raised in the next seconds.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
+    if pg_timeout <= 0:
+        raise ValueError(f"pg_timeout must be positive, got {pg_timeout}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = _context(start_method)
     with tempfile.TemporaryDirectory(prefix="colossal-dist-") as tmp:
         store, stack_paths = os.path.join(tmp, "store"), [pathlib.Path(tmp, f"stack{r}") for r in range(world_size)]
-        results = ctx.Queue()
+        results, stacks = ctx.Queue(), [str(path) for path in stack_paths]
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store, fn, args, kwargs, results, str(stack_paths[r]), backend, threads, timeout),
+                args=(r, world_size, store, fn, args, kwargs, results, stacks[r], backend, threads, pg_timeout),
                 name=f"colossal-rank{r}",
                 daemon=True,
             )
@@ -205,7 +218,8 @@ def _collect(procs, results, world_size, deadline, stack_paths, timeout) -> list
                     f"ranks {sorted(set(range(world_size)) - set(values))} of {world_size} did not finish "
                     f"within {timeout:.0f} s; every rank's stacks:{stacks}"
                 ) from None
-            _raise_if_dead(procs, values, [])
+            if _dead(procs, values, []):  # let the survivors report what they raised, then fail
+                _raise_if_dead(procs, values, _more_failures(results, grace=_SURVIVOR_GRACE_S, procs=procs))
             continue
         if status == "ok":
             values[rank] = pickle.loads(payload)
@@ -216,23 +230,31 @@ def _collect(procs, results, world_size, deadline, stack_paths, timeout) -> list
     return [values[r] for r in range(world_size)]
 
 
+def _dead(procs, values: dict, failures: list) -> list[tuple[int, int]]:
+    """``(rank, exit code)`` of the ranks that exited non-zero without reporting."""
+    reported = set(values) | {r for r, _ in failures}
+    return [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+
+
 def _raise_if_dead(procs, values: dict, failures: list) -> None:
     """A rank that exited non-zero without reporting is the root cause of whatever followed."""
-    reported = set(values) | {r for r, _ in failures}
-    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+    dead = _dead(procs, values, failures)
     if dead:
         others = "".join(f"\n--- rank {r} then failed: {payload[1]}" for r, payload in failures)
         raise RankFailure(f"rank {dead[0][0]} died with exit code {dead[0][1]} before reporting{others}")
 
 
-def _more_failures(results, grace: float) -> list[tuple[int, tuple]]:
-    """Further ranks that fail within ``grace`` seconds (e.g. every rank raising)."""
+def _more_failures(results, grace: float, procs: list | None = None) -> list[tuple[int, tuple]]:
+    """Further ranks that fail within ``grace`` seconds (e.g. every rank raising); with ``procs``,
+    stop early once every rank still alive has reported a failure."""
     found, end = [], time.monotonic() + grace
     while (left := end - time.monotonic()) > 0:
-        try:
-            rank, status, payload = results.get(timeout=left)
-        except queue.Empty:
+        if procs is not None and {r for r, p in enumerate(procs) if p.exitcode is None} <= {r for r, _ in found}:
             break
+        try:
+            rank, status, payload = results.get(timeout=min(left, 0.05))
+        except queue.Empty:
+            continue
         if status == "error":
             found.append((rank, payload))
     return found

@@ -101,6 +101,9 @@ class Plugin(abc.ABC):
             dataset, num_replicas=self.dp_size(), rank=self.dp_rank(), shuffle=shuffle, seed=seed
         )
         kwargs.setdefault("drop_last", True)
+        # Without a generator of its own, every iter(loader) draws from the global torch RNG, so a
+        # resumed run (one more iter() after the RNG was restored) drifts from an uninterrupted one.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
 
     # ---- training-step hooks -----------------------------------------------------------------
