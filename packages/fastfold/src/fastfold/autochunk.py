@@ -19,8 +19,8 @@ from fastfold.config import EvoformerConfig
 
 __all__ = ["estimate_activation_bytes", "choose_chunk_size"]
 
-_SAFETY = 1.25
-_SLACK = 8 * 2**20  # allocator and interpreter noise
+_SAFETY = 1.1
+_SLACK = 4 * 2**20  # allocator and interpreter noise
 
 
 def _per_row(cfg: EvoformerConfig, n_seq: int, n_res: int, masked: bool) -> dict[str, tuple[int, int]]:
@@ -35,7 +35,7 @@ def _per_row(cfg: EvoformerConfig, n_seq: int, n_res: int, masked: bool) -> dict
         "msa_transition": (s, r * (2 * cfg.transition_n * c_m + 2 * c_m)),
         # b-first form: bw [S, J_c, c_z, c] and its permuted copy, the output rows; else [I_c, J, c*c]
         "opm": (r, max(2 * s * c_z * c_opm + 2 * r * c_z, r * c_opm * c_opm + 2 * r * c_z)),
-        "tri_mul_project": (r, r * (c_z + 3 * c_mul)),
+        "tri_mul_project": (r, r * (c_z + 4 * c_mul)),
         "tri_mul_combine": (r, r * (3 * c_mul + 3 * c_z)),
         "tri_att": (r, r * (5 * hd_pair + 2 * c_z) + masked * cfg.no_heads_pair * r * r),
         "pair_transition": (r, r * (2 * cfg.transition_n * c_z + 2 * c_z)),
@@ -55,7 +55,7 @@ def estimate_activation_bytes(
     :class:`~fastfold.EvoformerStack` with ``cfg`` on [n_seq, n_res] inputs (see
     [Note: choosing the chunk size]); ``masked``: some keys are masked (adds merged masks)."""
     z, m = n_res * n_res * cfg.c_z, n_seq * n_res * cfg.c_m
-    operands = 2 * n_res * n_res * cfg.c_hidden_mul + z  # a_t, b_t and the update they make
+    operands = 2 * n_res * n_res * cfg.c_hidden_mul  # the triangle update's A and B
     fixed = (z + m) if inplace else 3 * (z + m)  # clones, or old stream + update + new stream
     fixed += operands + cfg.no_heads_pair * n_res * n_res * 2  # + the pair bias (and its copy)
     chunked = max(min(chunk_size or rows, rows) * per for rows, per in _per_row(cfg, n_seq, n_res, masked).values())

@@ -63,7 +63,10 @@ class TriangleMultiplicativeUpdate(nn.Module):
     def _operands(self, z, mask, chunk_size):
         """Channels-first operands ``A``, ``B`` [*, c, rows of z, cols of z] written chunk by chunk of
         ``z``'s rows (see [Note: triangle update in inference])."""
-        n, step = z.shape[-3], z.shape[-3] if chunk_size is None else chunk_size
+        # unchunked: still 8 row blocks (the [*, rows, J, 4c] projection is the largest transient;
+        # GEMMs of R/8 x R rows are as fast as one)
+        n = z.shape[-3]
+        step = max(1, -(-n // 8)) if chunk_size is None else chunk_size
         c = self.linear_a_p.out_features
         lins = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
         w, bias = torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins])  # one GEMM
