@@ -52,8 +52,8 @@ class Attention(nn.Module):
 
     def forward(self, q_x: torch.Tensor, kv_x: torch.Tensor, biases: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """``q_x`` [*, Q, c_q], ``kv_x`` [*, K, c_kv], biases broadcast to [*, H, Q, K] -> [*, Q, c_q]."""
-        if q_x is kv_x and not torch.is_grad_enabled():
-            return self._self_attention_inference(q_x, biases)
+        if q_x is kv_x:
+            return self._self_attention(q_x, biases)
         q = self._heads(self.linear_q(q_x)) / math.sqrt(self.c_hidden)  # [*, H, Q, d]
         k = self._heads(self.linear_k(kv_x))  # [*, H, K, d]
         v = self._heads(self.linear_v(kv_x))  # [*, H, K, d]
@@ -64,14 +64,19 @@ class Attention(nn.Module):
             o = sigmoid_gate(o, self.linear_g(q_x).view(o.shape))
         return self.linear_o(o.reshape(*o.shape[:-2], -1))
 
-    def _self_attention_inference(self, x: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Self-attention without autograd: the q, k, v (and gate) projections as one GEMM of the
-        concatenated weights, the gate applied in place."""
+    def _self_attention(self, x: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Self-attention with the q, k, v (and gate) projections as one GEMM of the concatenated
+        weights (one kernel instead of four, forward and backward); without autograd the scaling
+        and the gate work in place."""
+        grad = torch.is_grad_enabled()
         lins = [self.linear_q, self.linear_k, self.linear_v] + ([self.linear_g] if self.linear_g is not None else [])
         qkvg = F.linear(x, torch.cat([lin.weight for lin in lins])).split(self.linear_q.out_features, dim=-1)
-        q = self._heads(qkvg[0]).div_(math.sqrt(self.c_hidden))  # [*, H, Q, d]
+        q = self._heads(qkvg[0])
+        q = q / math.sqrt(self.c_hidden) if grad else q.div_(math.sqrt(self.c_hidden))  # [*, H, Q, d]
         o = attention_core(q, self._heads(qkvg[1]), self._heads(qkvg[2]), biases).transpose(-2, -3)  # [*, Q, H, d]
-        if self.linear_g is not None:
+        if self.linear_g is not None and grad:
+            o = sigmoid_gate(o, (qkvg[3] + self.linear_g.bias).view(o.shape))
+        elif self.linear_g is not None:
             o = qkvg[3].add_(self.linear_g.bias).sigmoid_().view(o.shape).mul_(o)
         return self.linear_o(o.reshape(*o.shape[:-2], -1))
 

@@ -46,16 +46,19 @@ class TriangleMultiplicativeUpdate(nn.Module):
         self.linear_g = Linear(c_z, c_z, init="gating")
         self.linear_z = Linear(c_hidden, c_z, init="final")
 
-    def _gated(self, z_c, mask_c, p, g):
-        """``mask * sigmoid(g(z)) * p(z)`` [*, I_c, J, c_hidden] (in place without autograd)."""
-        if torch.is_grad_enabled():
-            return sigmoid_gate(p(z_c), g(z_c)) * mask_c.unsqueeze(-1)
-        return g(z_c).sigmoid_().mul_(p(z_c)).mul_(mask_c.unsqueeze(-1))
+    def _fused_weights(self):
+        lins = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
+        return torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins])  # one GEMM
 
     def _project(self, z_ln, mask, chunk_size):
+        """``a``, ``b`` = ``mask * sigmoid(g(LN z)) * p(LN z)`` [*, I, J, c] from one GEMM (autograd)."""
+        w, bias = self._fused_weights()
+        c = self.linear_a_p.out_features
+
         def fn(z_c, mask_c):
-            a = self._gated(z_c, mask_c, self.linear_a_p, self.linear_a_g)
-            return torch.cat([a, self._gated(z_c, mask_c, self.linear_b_p, self.linear_b_g)], dim=-1)
+            p_a, g_a, p_b, g_b = F.linear(z_c, w, bias).split(c, dim=-1)
+            mask_c = mask_c.unsqueeze(-1)
+            return torch.cat([sigmoid_gate(p_a, g_a) * mask_c, sigmoid_gate(p_b, g_b) * mask_c], dim=-1)
 
         ab = chunk_apply(fn, [z_ln, mask], [-3, -2], chunk_size, -3)  # [*, I, J, 2c]
         return ab.chunk(2, dim=-1)
@@ -68,8 +71,7 @@ class TriangleMultiplicativeUpdate(nn.Module):
         n = z.shape[-3]
         step = max(1, -(-n // 8)) if chunk_size is None else chunk_size
         c = self.linear_a_p.out_features
-        lins = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
-        w, bias = torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins])  # one GEMM
+        w, bias = self._fused_weights()
         a_all = b_all = None
         for start in range(0, n, step):
             rows = min(step, n - start)
