@@ -1,6 +1,8 @@
 """fastfold against OpenFold, side by side: the Evoformer stack with the same random weights (through
 the OpenFold name mapping of :mod:`fastfold.weights`) on the same inputs, every configuration in a
-fresh process, printing fastfold/OpenFold ratios of time, peak RSS and activation memory.
+fresh process, printing fastfold/OpenFold ratios of wall time, process CPU time (robust on a shared
+machine), peak RSS and activation memory, then training steps (checkpointed; fastfold DAP 1 and 2
+against OpenFold's), writing ``fastfold_vs_openfold.json`` under ``COLOSSAL_BENCH_OUT``.
 
 OpenFold (github.com/aqlaboratory/openfold) is not a registry package: point ``OPENFOLD_PATH`` at a
 source tree (the directory holding ``openfold/``); without it the script says so and exits 0. On CPU
