@@ -73,6 +73,8 @@ def rank_dap_chunked_inplace(n_seq, n_res):
 
 def rank_two_ranks_all_stacks():
     rank_dap_chunked_inplace(3, 7)
+    rank_dap_chunked_inplace(2, 7)  # 2 sequences < c_hidden_opm 3: outer product mean contracted b-first
+    rank_evoformer(2, 5, checkpoint=False)
     rank_evoformer(3, 7, checkpoint=False)
     rank_evoformer(3, 7, checkpoint=True)  # recomputation re-issues the collectives in backward
     return rank_extra_and_template(7)

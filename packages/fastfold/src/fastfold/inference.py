@@ -46,6 +46,9 @@ class TrunkSpec:
     """Chunk size of every operator (``None``: unchunked)."""
     inplace: bool = False
     """Add updates into the residual stream in place (lower peak memory)."""
+    max_memory_mib: int | None = None
+    """Activation memory allowed per rank (MiB): the chunk size is chosen from it (instead of
+    ``chunk_size``; see :func:`fastfold.autochunk.choose_chunk_size`)."""
     dap_size: int = 1
     """Ranks of the DAP group (local processes)."""
     threads: int | None = None
@@ -90,13 +93,16 @@ class TrunkResult:
     """CUDA allocator peak (0 on CPU)."""
 
 
-def run_evoformer(model, m, z, msa_mask=None, pair_mask=None, *, chunk_size=None, inplace=False, dap=None):
+def run_evoformer(
+    model, m, z, msa_mask=None, pair_mask=None, *, chunk_size=None, inplace=False, dap=None, max_memory=None
+):
     """One timed inference forward; returns ``((m, z, s), seconds, peak_rss_bytes, activation_bytes)``."""
     with torch.inference_mode():
         reset_peak_memory()
         base = current_rss_bytes()
         start = time.perf_counter()
-        out = model(m, z, msa_mask, pair_mask, chunk_size=chunk_size, inplace=inplace, dap=dap)
+        kw = {} if max_memory is None else {"max_memory": max_memory}
+        out = model(m, z, msa_mask, pair_mask, chunk_size=chunk_size, inplace=inplace, dap=dap, **kw)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -135,12 +141,11 @@ def _rank_main(spec: TrunkSpec) -> TrunkResult:
     model, feats = _load(spec, device)
     dap = Dap(overlap=not spec.no_overlap) if spec.dap_size > 1 else None
     args = (feats["m"], feats["z"], feats.get("msa_mask"), feats.get("pair_mask"))
+    max_memory = None if spec.max_memory_mib is None else spec.max_memory_mib * 2**20
+    kw = dict(chunk_size=spec.chunk_size, inplace=spec.inplace, dap=dap, max_memory=max_memory)
     if spec.repeats > 1:
-        run_evoformer(model, *args, chunk_size=spec.chunk_size, inplace=spec.inplace, dap=dap)
-    runs = [
-        run_evoformer(model, *args, chunk_size=spec.chunk_size, inplace=spec.inplace, dap=dap)[1:]
-        for _ in range(spec.repeats)
-    ]
+        run_evoformer(model, *args, **kw)
+    runs = [run_evoformer(model, *args, **kw)[1:] for _ in range(spec.repeats)]
     seconds = min(r[0] for r in runs)
     peak, act = max(r[1] for r in runs), max(r[2] for r in runs)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastfold.autochunk import choose_chunk_size
 from fastfold.config import EvoformerConfig
 from fastfold.model.msa import MSAColumnAttention, MSARowAttentionWithPairBias
 from fastfold.model.outer_product_mean import OuterProductMean
@@ -85,10 +86,33 @@ class EvoformerStack(nn.Module):
         self.blocks = nn.ModuleList([EvoformerBlock(cfg) for _ in range(cfg.no_blocks)])
         self.linear = nn.Linear(cfg.c_m, cfg.c_s)
 
-    def forward(self, m, z, msa_mask=None, pair_mask=None, chunk_size=None, inplace=False, dap=None, checkpoint=False):
+    def _auto_chunk(self, m, msa_mask, pair_mask, chunk_size, inplace, max_memory):
+        """The chunk size for ``max_memory`` (see [Note: choosing the chunk size]); under DAP the
+        estimate is that of one rank holding everything (an upper bound)."""
+        if chunk_size is not None:
+            raise ValueError(f"give chunk_size or max_memory, not both (got chunk_size={chunk_size})")
+        masked = any(mask is not None and not bool(mask.all()) for mask in (msa_mask, pair_mask))
+        return choose_chunk_size(self.config, m.shape[-3], m.shape[-2], max_memory, inplace, masked)
+
+    def forward(
+        self,
+        m,
+        z,
+        msa_mask=None,
+        pair_mask=None,
+        chunk_size=None,
+        inplace=False,
+        dap=None,
+        checkpoint=False,
+        max_memory=None,
+    ):
         """``m`` [*, S, R, c_m], ``z`` [*, R, R, c_z], masks [*, S, R] / [*, R, R] (default all ones)
         -> ``(m, z, s)`` with ``s`` [*, R, c_s]. ``dap``: a :class:`fastfold.parallel.Dap` (inputs
-        and outputs whole on every rank); ``checkpoint``: recompute each block in backward."""
+        and outputs whole on every rank); ``checkpoint``: recompute each block in backward.
+        ``max_memory``: bytes of activation memory allowed (per rank); the largest chunk size that
+        fits is chosen (:func:`fastfold.autochunk.choose_chunk_size`; instead of ``chunk_size``)."""
+        if max_memory is not None:
+            chunk_size = self._auto_chunk(m, msa_mask, pair_mask, chunk_size, inplace, max_memory)
         m, z, _ = run_trunk(self.blocks, m, z, msa_mask, pair_mask, self.config, chunk_size, inplace, dap, checkpoint)
         first = m[..., 0, :, :]  # [*, R, c_m]
         if dap is None:

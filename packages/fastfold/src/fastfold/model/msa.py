@@ -39,7 +39,7 @@ class MSARowAttentionWithPairBias(nn.Module):
         m_ln = self.layer_norm_m(m)  # overlaps the bias gather under DAP
         key_bias = _key_mask_bias(mask, self.inf)  # [*, S, 1, 1, R]
         bias = pending.wait() if pending is not None else bias
-        bias = bias.movedim(-1, -3).unsqueeze(-4)  # [*, 1, H, R, R]
+        bias = bias.movedim(-1, -3).contiguous().unsqueeze(-4)  # [*, 1, H, R, R], read by every chunk
         fn = lambda m_c, kb_c: self.mha(m_c, m_c, [kb_c, bias])
         return chunk_apply(fn, [m_ln, key_bias], [-3, -4], chunk_size, -3, accumulate_into)
 

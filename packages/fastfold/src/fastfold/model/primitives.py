@@ -7,9 +7,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fastfold.ops import sigmoid_gate, softmax_with_biases
+from fastfold.ops import attention_core, sigmoid_gate, softmax_with_biases
 
 __all__ = ["Linear", "Attention", "GlobalAttention"]
 
@@ -51,13 +52,32 @@ class Attention(nn.Module):
 
     def forward(self, q_x: torch.Tensor, kv_x: torch.Tensor, biases: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """``q_x`` [*, Q, c_q], ``kv_x`` [*, K, c_kv], biases broadcast to [*, H, Q, K] -> [*, Q, c_q]."""
+        if q_x is kv_x:
+            return self._self_attention(q_x, biases)
         q = self._heads(self.linear_q(q_x)) / math.sqrt(self.c_hidden)  # [*, H, Q, d]
         k = self._heads(self.linear_k(kv_x))  # [*, H, K, d]
         v = self._heads(self.linear_v(kv_x))  # [*, H, K, d]
-        a = softmax_with_biases(q @ k.transpose(-1, -2), biases)  # [*, H, Q, K]
-        o = (a @ v).transpose(-2, -3)  # [*, Q, H, d]
-        if self.linear_g is not None:
+        o = attention_core(q, k, v, biases).transpose(-2, -3)  # [*, Q, H, d]
+        if self.linear_g is not None and not torch.is_grad_enabled():
+            o = self.linear_g(q_x).view(o.shape).sigmoid_().mul_(o)  # inference: gate in place
+        elif self.linear_g is not None:
             o = sigmoid_gate(o, self.linear_g(q_x).view(o.shape))
+        return self.linear_o(o.reshape(*o.shape[:-2], -1))
+
+    def _self_attention(self, x: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Self-attention with the q, k, v (and gate) projections as one GEMM of the concatenated
+        weights (one kernel instead of four, forward and backward); without autograd the scaling
+        and the gate work in place."""
+        grad = torch.is_grad_enabled()
+        lins = [self.linear_q, self.linear_k, self.linear_v] + ([self.linear_g] if self.linear_g is not None else [])
+        qkvg = F.linear(x, torch.cat([lin.weight for lin in lins])).split(self.linear_q.out_features, dim=-1)
+        q = self._heads(qkvg[0])
+        q = q / math.sqrt(self.c_hidden) if grad else q.div_(math.sqrt(self.c_hidden))  # [*, H, Q, d]
+        o = attention_core(q, self._heads(qkvg[1]), self._heads(qkvg[2]), biases).transpose(-2, -3)  # [*, Q, H, d]
+        if self.linear_g is not None and grad:
+            o = sigmoid_gate(o, (qkvg[3] + self.linear_g.bias).view(o.shape))
+        elif self.linear_g is not None:
+            o = qkvg[3].add_(self.linear_g.bias).sigmoid_().view(o.shape).mul_(o)
         return self.linear_o(o.reshape(*o.shape[:-2], -1))
 
 
@@ -79,7 +99,7 @@ class GlobalAttention(nn.Module):
         q = self.linear_q(q).view(*q.shape[:-1], self.no_heads, self.c_hidden) / math.sqrt(self.c_hidden)
         k, v = self.linear_k(m), self.linear_v(m)  # [*, R, S, d]
         bias = (self.inf * (mask - 1)).unsqueeze(-2)  # [*, R, 1, S]
-        a = softmax_with_biases(q @ k.transpose(-1, -2), [bias])  # [*, R, H, S]
+        a = softmax_with_biases(q @ k.transpose(-1, -2), [bias], inplace=True)  # [*, R, H, S]
         o = a @ v  # [*, R, H, d]
         g = self.linear_g(m).view(*m.shape[:-1], self.no_heads, self.c_hidden)  # [*, R, S, H, d]
         o = sigmoid_gate(o.unsqueeze(-3), g)  # [*, R, S, H, d]

@@ -23,6 +23,9 @@ class Transition(nn.Module):
         self.linear_2 = Linear(n * c, c, init="final")
 
     def _transition(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # inference: ReLU and mask in place (one hidden buffer, not two)
+            out = self.linear_2(self.linear_1(self.layer_norm(x)).relu_())
+            return out if mask is None else out.mul_(mask.unsqueeze(-1))
         out = self.linear_2(torch.relu(self.linear_1(self.layer_norm(x))))
         return out if mask is None else out * mask.unsqueeze(-1)
 

@@ -1,0 +1,55 @@
+"""The attention core ``softmax(q k^T + sum(biases)) v`` of every Evoformer attention.
+
+[Note: fused attention in inference]
+Without autograd the core runs as ``torch.nn.functional.scaled_dot_product_attention`` (on CPU a
+blocked "flash" kernel, on CUDA flash/memory-efficient kernels) with the biases as one additive
+mask, so the ``[*, H, Q, K]`` logits and probabilities never exist whole. Two facts keep the mask
+small: a bias that is constant along the queries (the key-mask bias ``inf * (mask - 1)``, shape
+``[*, 1, 1, K]``) is dropped when it is all zero (no masked keys, the common case: the check reads
+``K`` values per batch row, not the logits), and a lone bias is passed as it is, broadcast (the
+pair bias ``[1, H, Q, K]`` serves every sequence of the chunk without a copy). Only when keys are
+masked *and* a pair bias exists are the two summed into one mask of the chunk's logits size, which
+is still one buffer fewer than the eager path (logits + probabilities). The kernel reassociates the
+softmax sums, so results differ from the eager path by float rounding (~1e-6 relative in float32).
+With autograd (training) the eager path runs: logits from ``q @ k^T``, biases added in place,
+softmax, ``@ v``; it is OpenFold's computation and keeps its gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fastfold.ops.softmax import check_broadcast, softmax_with_biases
+
+__all__ = ["attention_core"]
+
+
+def _merged_mask(biases: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    kept = [b for b in biases if not (b.shape[-2] == 1 and not bool(b.any()))]  # drop all-zero key masks
+    if not kept:
+        return None
+    mask = kept[0]
+    for b in kept[1:]:
+        mask = mask + b  # [Note: fused attention in inference]: only with masked keys and a pair bias
+    return mask
+
+
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
+    """``softmax(q @ k^T + sum(biases)) @ v`` for ``q`` [*, H, Q, d] (already scaled), ``k``/``v``
+    [*, H, K, d] and biases broadcasting to [*, H, Q, K]; returns [*, H, Q, d]."""
+    logits_shape = (*q.shape[:-1], k.shape[-2])
+    for i, b in enumerate(biases):
+        check_broadcast(b.shape, logits_shape, f"biases[{i}]")
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *biases))
+    if tracked or q.dim() != 4 or not q.is_floating_point():
+        a = softmax_with_biases(q @ k.transpose(-1, -2), biases, inplace=True)  # [*, H, Q, K]
+        return a @ v
+    mask = _merged_mask(biases)
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
