@@ -44,6 +44,15 @@ the traced operator ``i`` reserves the bytes of the traced operator with the sam
 the trace the peak is used as before. The traced gradient-buffer bytes of an operator are reserved
 less the live buffers and less the buffer being made room for (it is one of the traced ones).
 
+[Note: held chunks]
+A chunk can stay gathered through operators that do not use it: a tensor whose operator was left but
+whose gradient has not arrived (a tied input/output embedding waits for its second use, an unused
+parameter of a module that ran waits for the end of backward) keeps its chunk while autograd still
+holds saved views of any tensor of that chunk (see [Note: parent modules]). Warm-up records those
+chunks per operator (``OpRecord.held_chunk_ids``); the prefetch plan and the optimizer-block margin
+count their payloads next to the operator's own, otherwise a window that fits on paper overflows
+the budget in steady state.
+
 [Note: operators]
 The unit of tracing and placement is one module's forward or one module's backward ("operator"):
 that is the granularity at which chunks are needed. Parameters must be used inside the forward of
@@ -302,6 +311,12 @@ class GeminiDDP(nn.Module):
             self.policy.after_op(self._current, keep)
             if self.prefetcher:
                 self.prefetcher.enter(keep)
+            if self.warmup and training:  # see [Note: held chunks]
+                own = {c.id for c in chunks}
+                held = [
+                    c.id for c in self.manager.chunks if c.id not in own and c.in_use and c.state is ChunkState.GATHERED
+                ]
+                self.trace.ops[-1].held_chunk_ids = tuple(held)
             self.policy.before_op(i, chunks)
             if self.prefetcher:
                 self.prefetcher.issue(i, lambda nbytes, protect: self.policy.make_room(nbytes, protect, i))
