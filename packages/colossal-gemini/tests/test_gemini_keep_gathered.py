@@ -63,10 +63,20 @@ def _train(name, batches, init):
         with CommCounter() as counter:
             opt.backward(loss_fn(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
             opt.step()
-        comms.append((dict(counter.nbytes), dict(counter.wire_bytes), [e.async_op for e in counter.events]))
+        # the per-step agreement on which parameters got a gradient is one small all-reduce of its own
+        events = [e for e in counter.events if e.tag != "gemini.grad_presence"]
+        presence = [e.nbytes for e in counter.events if e.tag == "gemini.grad_presence"]
+        nbytes, wire = {}, {}
+        for e in events:
+            nbytes[e.op] = nbytes.get(e.op, 0) + e.nbytes
+            wire[e.op] = wire.get(e.op, 0) + e.wire_bytes
+        comms.append((nbytes, wire, [e.async_op for e in events], presence))
     padded = sum(c.nbytes for c in gem.manager.chunks)
     moved = [s.bytes_moved for s in gem.stats_history]
-    return dict(state=gem.state_dict(), comms=comms, padded=padded, moved=moved, chunks=len(gem.manager.chunks))
+    n_params = len(list(dict.fromkeys(model.parameters())))
+    return dict(
+        state=gem.state_dict(), comms=comms, padded=padded, moved=moved, chunks=len(gem.manager.chunks), n=n_params
+    )
 
 
 def _rank_fn(batches, inits):
@@ -98,7 +108,8 @@ def test_keep_gathered_communicates_one_all_reduce_per_chunk(runs):
     world = len(results)
     for per_rank in results:
         r = per_rank["roomy"]
-        for nbytes, wire, async_flags in r["comms"][1:]:  # steady state
+        for nbytes, wire, async_flags, presence in r["comms"][1:]:  # steady state
+            assert presence == [r["n"]]  # one byte per parameter
             assert nbytes == {"all_reduce": r["padded"]}  # no all-gather, no reduce-scatter
             assert wire["all_reduce"] == pytest.approx(2 * (world - 1) / world * r["padded"])
             assert len(async_flags) == r["chunks"] and all(async_flags)  # one async all-reduce per chunk

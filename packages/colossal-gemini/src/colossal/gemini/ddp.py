@@ -394,6 +394,7 @@ class GeminiDDP(nn.Module):
                 finally:
                     self._new_grad = 0
             self.manager.add_grad(chunk, info, param.grad)
+            chunk.got_grad.add(info.offset)
             if new_buffer:
                 self._pinned = max(self._pinned, self.manager.grad_buffer_bytes)
                 self._sample("grad", self.op_index - 1)

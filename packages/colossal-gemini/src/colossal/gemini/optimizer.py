@@ -15,6 +15,13 @@ states, e.g. LARS's ``scale``, on every rank, which checkpoints save per paramet
 chunks are sharded, a ``norm_reducer`` that sums the per-parameter squared norms over the
 data-parallel group. Rules that need a parameter's shape
 (Adafactor) are not supported.
+
+[Note: parameters without a gradient]
+``torch.optim`` leaves a parameter whose ``.grad`` is None untouched (no weight decay, no momentum,
+no step count). Each step agrees over the data-parallel group which parameters got a gradient on
+any rank since the last step (one all-reduce of a byte per parameter; as with DDP, one rank's
+gradient is every rank's); the others' slices get no ``.grad``, so the wrapped optimizer skips them
+on every rank alike (LAMB/LARS norm vectors still line up).
 """
 
 from __future__ import annotations
@@ -117,6 +124,7 @@ class GeminiOptimizer:
         """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""
         for c in self.manager.chunks:
             c.has_grad = False
+            c.got_grad.clear()
 
     def _grads(self) -> list[torch.Tensor]:
         for c in self.manager.chunks:
@@ -137,9 +145,10 @@ class GeminiOptimizer:
             if found_inf:
                 self.skipped_steps += 1
             else:
+                without = self._params_without_grad()
                 if self.max_grad_norm > 0:
                     self._clip(grads)
-                self._inner_step()
+                self._inner_step(without)
             self.scaler.update(found_inf)
             self.zero_grad()
             self.model.end_iteration(None if found_inf else self)
@@ -153,12 +162,24 @@ class GeminiOptimizer:
         else:
             clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, **kw)
 
-    def _inner_step(self) -> None:
+    def _params_without_grad(self) -> set[str]:
+        """Names of the parameters no rank gave a gradient since the last step (collective when
+        data-parallel; see [Note: parameters without a gradient])."""
+        m = self.manager
+        infos = [(c, info) for c in m.chunks for info in c.tensors]
+        got = [info.offset in c.got_grad for c, info in infos]
+        if m.dp_size > 1:
+            flags = torch.tensor(got, dtype=torch.uint8, device=m.device.device)
+            comm.all_reduce(flags, "max", m.group, tag="gemini.grad_presence")
+            got = flags.bool().tolist()
+        return {info.name for (_, info), g in zip(infos, got, strict=True) if not g}
+
+    def _inner_step(self, without: set[str] = frozenset()) -> None:
         for chunk in self.manager.chunks:
-            for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
-                fake.grad = chunk.grad_shard[lo:hi]
-        for fake, _ in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
-            fake.grad = fake.data.new_zeros(0)
+            for fake, lo, hi, name in self.slices.get(chunk.id, ()):
+                fake.grad = None if name in without else chunk.grad_shard[lo:hi]
+        for fake, name in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
+            fake.grad = None if name in without else fake.data.new_zeros(0)
         self.optim.step()
         for fake, _ in self.empty:
             fake.grad = None
