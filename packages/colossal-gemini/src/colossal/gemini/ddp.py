@@ -125,6 +125,8 @@ class GeminiDDP(nn.Module):
         self._storage_chunk = {c.payload.untyped_storage()._cdata: c for c in self.manager.chunks}
         self._model_keys = set(self._storage_chunk)
         self.policy = WarmupPolicy(self.manager, self._reserve)
+        self.policy.where, self.policy.advice = self.describe_op, self.budget_advice
+        self.manager.device.advice = self.budget_advice
         self.warmup = True
         self.belady_bytes: int | None = None
         self.prefetcher: Prefetcher | None = None  # set at the end of warm-up (sharded runs, prefetch > 0)
@@ -172,6 +174,24 @@ class GeminiDDP(nn.Module):
             handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         return handles
 
+    def describe_op(self, i: int) -> str:
+        """``"operator <i> (<fwd|bwd>:<module name>)"``: how budget errors name where they happened."""
+        ops = self.trace.ops
+        label = self._op_label or (ops[i].label if 0 <= i < len(ops) else "")
+        return f"operator {i} ({label})" if label else f"operator {i}"
+
+    def budget_advice(self) -> str:
+        """The settings that can make a step fit, for this configuration (not the ones in force)."""
+        cfg, tips = self.config, ["raise device_memory_budget"]
+        if self.prefetcher is not None and cfg.prefetch > 0:
+            tips.append(f"lower prefetch (now {cfg.prefetch}; 0 gathers on demand)")
+        tips.append(f"lower chunk_size (now {self.manager.chunk_size} elements)")
+        if cfg.placement == "static":
+            tips.append(f"raise offload_param_frac (now {cfg.offload_param_frac}) or use placement='auto'")
+        if self.warmup:
+            tips.append("lower the batch size (activations are measured in this first step)")
+        return ", ".join(tips[:-1]) + " or " + tips[-1]
+
     def _is_model_storage(self, key: int) -> bool:
         return key in self._model_keys
 
@@ -216,6 +236,7 @@ class GeminiDDP(nn.Module):
         return t
 
     _tracking = False
+    _op_label = ""  # label of the operator being run (budget errors name it)
     _new_grad = 0  # bytes of the gradient buffer being made room for (counted once: see _reserve)
     _record_open = False
     _op_model = 0
@@ -298,6 +319,7 @@ class GeminiDDP(nn.Module):
 
     def _begin_op(self, label: str, chunks: list[Chunk]) -> None:
         with self.tracker.suspended(), events.label("placement"):
+            self._op_label = label
             training = torch.is_grad_enabled() or self._in_backward
             i = self.op_index if training else -1
             if training and not self.warmup:
@@ -321,6 +343,7 @@ class GeminiDDP(nn.Module):
             if self.prefetcher:
                 self.prefetcher.issue(i, lambda nbytes, protect: self.policy.make_room(nbytes, protect, i))
             self._current = chunks
+            self._op_label = label
             if training:
                 self.op_index += 1
             self._sample(label, i)
@@ -336,8 +359,8 @@ class GeminiDDP(nn.Module):
             if need > self.manager.device.budget:
                 raise BudgetExceededError(
                     f"need {need} bytes on the device at operator {op.label} (model {self._op_model}, non-model "
-                    f"{op.non_model_bytes} measured in warm-up), budget {self.manager.device.budget}; raise "
-                    f"device_memory_budget, lower chunk_size (now {self.manager.chunk_size}) or the batch size"
+                    f"{op.non_model_bytes} measured in warm-up), budget {self.manager.device.budget}; "
+                    f"{self.budget_advice()}"
                 )
             if self.manager.device.device.type == "cuda":
                 op.cuda_non_model_bytes = torch.cuda.memory_allocated() - self.manager.device.used_bytes
@@ -515,6 +538,7 @@ _RUNTIME = frozenset(
         "_tracking",
         "_record_open",
         "_op_model",
+        "_op_label",
         "_reduced",
         "warmup",
         "belady_bytes",

@@ -71,6 +71,7 @@ def finish_warmup(ddp, optimizer) -> None:
         o_device = _auto_optim_on_device(ddp, blocks)
         policy = AutoPolicy(m, ddp._reserve, ddp.trace)
     ddp.warmup = False
+    policy.where, policy.advice = ddp.describe_op, ddp.budget_advice
     ddp.policy = policy
     for c in m.chunks:
         if c.id not in o_device:
