@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colossal.comm import all_reduce, broadcast, group_ranks, register_observer
-from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
+from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, grad_norm, has_inf_or_nan
 from colossal.zero import _events, checkpoint
 from colossal.zero._flat_param import FlatParam
 from colossal.zero._layerwise import ParamShardViews, is_layerwise
@@ -242,6 +242,18 @@ class ZeroOptimizer:
         for f in self._views.flats:
             if states[id(f)]:
                 self._views.set_flat_state(f, states[id(f)])
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm of the gradients the next ``step()`` applies (averaged over ranks, unscaled),
+        over every rank's shards: what ``torch.nn.utils.clip_grad_norm_`` returns. Collective; call
+        between backward and ``step()``."""
+        self.wait_params()
+        self.reducer.wait_all()
+        grads = self._master_grads()
+        total = grad_norm(
+            grads, norm_type, group=self.config.group, all_reduce=functools.partial(all_reduce, tag="zero.grad_norm")
+        )
+        return total / (self.world * self.replicas * self.scaler.scale)
 
     def _optimizer_step(self, without: dict[int, set[int]] | None = None) -> None:
         if self._views is None and without:
