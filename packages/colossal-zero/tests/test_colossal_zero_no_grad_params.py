@@ -61,9 +61,10 @@ def _loss(model, x, y, skip):
     return F.cross_entropy(model(x, skip=skip).reshape(-1, V), y.reshape(-1))
 
 
-def _reference(kind, rank_dependent):
+def _reference(kind, rank_dependent, freeze=False):
     torch.manual_seed(0)
     model = SkipNet()
+    model.emb.weight.requires_grad_(not freeze)
     init = copy.deepcopy(model.state_dict())
     opt = _make_opt(model.parameters(), kind)
     for step in range(STEPS):
@@ -75,9 +76,10 @@ def _reference(kind, rank_dependent):
     return init, model.state_dict()
 
 
-def _rank(init, kind, rank_dependent, zero_kw):
+def _rank(init, kind, rank_dependent, zero_kw, freeze=False):
     model = SkipNet()
     model.load_state_dict(init)
+    model.emb.weight.requires_grad_(not freeze)  # frozen but handed to the optimizer: torch skips it
     zero = ZeroOptimizer(_make_opt(model.parameters(), kind), model, **zero_kw)
     r = dist.get_rank()
     for step in range(STEPS):
@@ -90,6 +92,7 @@ def _rank(init, kind, rank_dependent, zero_kw):
 
 CASES = [
     ("adamw", False, dict(stage=1)),
+    ("adamw", False, dict(stage=2, freeze=True)),
     ("adamw", True, dict(stage=2)),
     ("adamw", False, dict(stage=3)),
     ("adamw", True, dict(stage=2, offload=True)),
@@ -99,8 +102,10 @@ CASES = [
 
 @pytest.mark.parametrize("kind,rank_dependent,zero_kw", CASES, ids=[f"{c[0]}-{c[2]}-{c[1]}" for c in CASES])
 def test_params_without_grad_match_torch(kind, rank_dependent, zero_kw):
-    init, want = _reference(kind, rank_dependent)
-    for sd in run_distributed(_rank, 2, init, kind, rank_dependent, zero_kw, timeout=120):
+    zero_kw = dict(zero_kw)
+    freeze = zero_kw.pop("freeze", False)
+    init, want = _reference(kind, rank_dependent, freeze)
+    for sd in run_distributed(_rank, 2, init, kind, rank_dependent, zero_kw, freeze, timeout=120):
         assert torch.equal(sd["unused.weight"], init["unused.weight"])  # never stepped: not even decayed
         for k, v in want.items():
             assert ((sd[k] - v).norm() / v.norm()).item() < 1e-5, k

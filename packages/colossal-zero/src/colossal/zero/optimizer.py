@@ -228,7 +228,8 @@ class ZeroOptimizer:
         out: dict[int, set[int]] = {}
         it = iter(got)
         for f in flats:
-            missing = {i for i in f.trainable if not next(it)}
+            got_f = {i: next(it) for i in f.trainable}  # frozen parameters handed to the optimizer never have one
+            missing = {i for i in range(len(f.params)) if not got_f.get(i, False)}
             if missing:
                 out[id(f)] = missing
         return out
