@@ -28,5 +28,5 @@ def test_fsdp_refuses_fp16_and_needs_launch_under_a_multi_rank_launcher(monkeypa
     # launcher for several ranks must call launch() itself
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(ValueError, match="rank 0 of 2 .* call colossalai.launch"):
+    with pytest.raises(ValueError, match="rank 0 of 2 .* call colossal.comm.launch"):
         boosted_setup(TorchFSDPPlugin())

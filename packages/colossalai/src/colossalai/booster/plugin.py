@@ -59,7 +59,7 @@ def ensure_process_group(plugin: str) -> None:
     if info.world_size != 1:
         raise ValueError(
             f"{plugin} needs torch.distributed initialised: this process is rank {info.rank} of "
-            f"{info.world_size} ({info.launcher}); call colossalai.launch() (or colossal.comm.launch()) first"
+            f"{info.world_size} ({info.launcher}); call colossal.comm.launch() first"
         )
     launch()
 
