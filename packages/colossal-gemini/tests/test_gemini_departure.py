@@ -2,6 +2,8 @@
 see ``[Note: departures from the trace]`` in ``ddp.py``: the room kept for non-model data follows
 the operator that really runs, not the traced operator at the same index, and a new gradient
 buffer is not counted twice. It used to raise BudgetExceededError after warm-up (prefetch=0 too).
+The skipped block's parameters get no gradient that step and are left untouched, as by
+``torch.optim.AdamW`` (they used to be decayed and moved by momentum).
 
 Reference: plain PyTorch on both ranks' batches (loss averaged over ranks), skipping the same block
 on the same step; fp32, 1e-5 relative. The attention key bias is excluded (its true gradient is
@@ -53,9 +55,6 @@ def _reference(batches):
     for s, per_rank in enumerate(batches):
         for x, y in per_rank:
             (lm_loss(model(x, skip=s == SKIP_STEP), y) / len(per_rank)).backward()
-        for p in model.parameters():  # the skipped block's parameters step with zero gradients, as in Gemini
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
     return init, model.state_dict()

@@ -24,8 +24,8 @@ from colossal.testkit import GPT, GPTConfig, assert_close, lm_loss, random_batch
 
 STEPS = 3
 CONFIGS = {  # name -> (device budget, optimizer, max_grad_norm)
-    "pressure": (300_000, "adamw", 0.0),
-    "roomy": (10_000_000, "adamw", 0.0),
+    "pressure": (300_000, "adamw", None),
+    "roomy": (10_000_000, "adamw", None),
     "sgd_clip": (10_000_000, "sgd", 0.5),
 }
 
@@ -56,10 +56,21 @@ def _train(name, batches, init):
         with CommCounter() as counter:
             opt.backward(lm_loss(gem(x[rank * b : (rank + 1) * b]), y[rank * b : (rank + 1) * b]))
             opt.step()
-        comms.append((dict(counter.nbytes), dict(counter.wire_bytes), [e.async_op for e in counter.events]))
+        # the step's small all-reduces (which parameters got a gradient; the overflow flag) apart
+        small = ("gemini.grad_presence", "gemini.overflow")
+        events = [e for e in counter.events if e.tag not in small]
+        presence = [(e.tag, e.nbytes) for e in counter.events if e.tag in small]
+        nbytes, wire = {}, {}
+        for e in events:
+            nbytes[e.op] = nbytes.get(e.op, 0) + e.nbytes
+            wire[e.op] = wire.get(e.op, 0) + e.wire_bytes
+        comms.append((nbytes, wire, [e.async_op for e in events], presence))
     padded = sum(c.nbytes for c in gem.manager.chunks)
     moved = [s.bytes_moved for s in gem.stats_history]
-    return dict(state=gem.state_dict(), comms=comms, padded=padded, moved=moved, chunks=len(gem.manager.chunks))
+    n_params = len(list(dict.fromkeys(model.parameters())))
+    return dict(
+        state=gem.state_dict(), comms=comms, padded=padded, moved=moved, chunks=len(gem.manager.chunks), n=n_params
+    )
 
 
 def _rank_fn(batches, inits):
@@ -91,7 +102,8 @@ def test_keep_gathered_communicates_one_all_reduce_per_chunk(runs):
     world = len(results)
     for per_rank in results:
         r = per_rank["roomy"]
-        for nbytes, wire, async_flags in r["comms"][1:]:  # steady state
+        for nbytes, wire, async_flags, presence in r["comms"][1:]:  # steady state
+            assert sorted(presence) == [("gemini.grad_presence", r["n"]), ("gemini.overflow", 4)]
             assert nbytes == {"all_reduce": r["padded"]}  # no all-gather, no reduce-scatter
             assert wire["all_reduce"] == pytest.approx(2 * (world - 1) / world * r["padded"])
             assert len(async_flags) == r["chunks"] and all(async_flags)  # one async all-reduce per chunk

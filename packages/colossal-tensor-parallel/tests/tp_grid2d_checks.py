@@ -110,7 +110,8 @@ def _head_and_loss(g, counter, b):
     assert_close(par.weight.grad, _blk(head.weight.grad, g, (0, 1), (g.i, g.j)), "head weight grad")
     n = b // (g.q * g.depth) * S
     side = (V * H // g.q + n * V) * F32
-    loss_bytes = (3 * n + 1) * F32  # max (n) + sums (2n) over row; the mean's scalar over the batch group
+    # max (n) + sums (2n) over row; the mean's sum and row count (not ignore_index) over the batch group
+    loss_bytes = (3 * n + 2) * F32
     expect = {
         "all_gather": side,
         "reduce_scatter": side,

@@ -82,9 +82,10 @@ def test_layerwise_state_dict_is_plain_lamb_state():
         for i, st in want["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(got["state"][i][key], st[key], rtol=1e-5, atol=1e-8)
-        # one all-reduce of 2 squared norms per parameter (fp32) joins the overflow flag
+        # one all-reduce of 2 squared norms per parameter (fp32) joins the overflow flag and the
+        # byte per parameter saying whether it got a gradient
         n_params = len(list(model.parameters()))
-        assert comm["all_reduce"] == 4 + 2 * n_params * 4
+        assert comm["all_reduce"] == 4 + 2 * n_params * 4 + n_params
         assert mem["optimizer_states"] > 0
 
 

@@ -45,7 +45,10 @@ def measure(stage, dtype, reshard_root):
         op: counter.by_tag.get(tag, 0)
         for op, tag in [("rs", "zero.reduce_scatter_grad"), ("ag", "zero.all_gather_params")]
     }
-    return dict(psi=psi, padded=padded, root=root_psi, mem=mem, comm=zero.last_step_comm, counted=counted)
+    n_params = len(list(model.parameters()))
+    return dict(
+        psi=psi, padded=padded, root=root_psi, mem=mem, comm=zero.last_step_comm, counted=counted, n_params=n_params
+    )
 
 
 def rank_fn():
@@ -79,6 +82,8 @@ def test_comm_volume_matches_paper(results, stage, dtype):
             )
             assert ag == expected_ag * item
             assert r["padded"] == pytest.approx(r["psi"], rel=0.01)
-            assert r["comm"]["all_reduce"] == 4  # the one-element fp32 overflow flag, as a comm event
+            # the one-element fp32 overflow flag and one byte per parameter saying whether it got a
+            # gradient ([Note: parameters without a gradient] in optimizer.py), as comm events
+            assert r["comm"]["all_reduce"] == 4 + r["n_params"]
             # the engine's own per-step totals equal what a CommCounter observed
             assert (r["counted"]["rs"], r["counted"]["ag"]) == (rs, ag)

@@ -21,8 +21,12 @@ def test_fsdp_matches_plain_pytorch_on_two_ranks():
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference_losses(STEPS)), rtol=1e-5, atol=0)
 
 
-def test_fsdp_refuses_fp16_and_needs_distributed():
+def test_fsdp_refuses_fp16_and_needs_launch_under_a_multi_rank_launcher(monkeypatch):
     with pytest.raises(NotImplementedError, match="supports mixed_precision"):
         Booster(plugin=TorchFSDPPlugin(), mixed_precision="fp16")
-    with pytest.raises(ValueError, match="torch.distributed"):
+    # a plain process gets a world of one (test_colossalai_single_process.py); a rank started by a
+    # launcher for several ranks must call launch() itself
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="rank 0 of 2 .* call colossal.comm.launch"):
         boosted_setup(TorchFSDPPlugin())

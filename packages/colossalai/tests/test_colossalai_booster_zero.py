@@ -41,9 +41,10 @@ def _accumulate_and_clip():
     with booster.no_sync(model, optim):
         booster.backward(criterion(model(x[:2]), y[:2]) / 2, optim)
     booster.backward(criterion(model(x[2:]), y[2:]) / 2, optim)
-    booster.clip_grad_norm(optim, 0.05)
+    returned = booster.clip_grad_norm(optim, 0.05).item()  # the norm before clipping, as torch returns it
     optim.step()
     norm = optim.engine.last_grad_norm.item()
+    assert returned == pytest.approx(norm, rel=1e-6)
     optim.zero_grad()
     booster.backward(criterion(model(x), y), optim)
     optim.step()  # no clip_grad_norm() this time: the step must not clip

@@ -7,7 +7,17 @@ Wrap the model (:class:`GeminiDDP`) and the optimizer (:class:`GeminiOptimizer`)
     loss = loss_fn(model(x), y); optim.backward(loss); optim.step()
 """
 
-from colossal.gemini.checkpoint import load_sharded_state_dict, sharded_entries, sharded_state_dict
+from colossal.gemini.checkpoint import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    load_sharded,
+    load_sharded_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+    save_sharded,
+    sharded_entries,
+    sharded_state_dict,
+)
 from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
 from colossal.gemini.chunk_manager import ChunkManager, pack, search_chunk_size
 from colossal.gemini.config import GeminiConfig
@@ -47,9 +57,15 @@ __all__ = [
     "Traffic",
     "WarmupPolicy",
     "belady",
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+    "load_sharded",
     "load_sharded_state_dict",
+    "model_state_dict",
+    "optimizer_state_dict",
     "pack",
     "register_observer",
+    "save_sharded",
     "search_chunk_size",
     "sharded_state_dict",
     "sharded_entries",

@@ -113,6 +113,7 @@ class Chunk:
         self.o_tier = "host"  # tier name of master, grad_shard and the optimizer states
         self.has_grad = False  # grad_shard holds gradients not yet consumed by a step
         self.written: set[int] = set()  # offsets of tensors whose gradient went straight to grad_shard this pass
+        self.got_grad: set[int] = set()  # offsets of tensors given a gradient since the last step (any pass)
         self.pending = None  # async reduce-scatter handle
         self.gather_handle = None  # async all-gather (prefetch) still writing into payload
         self.states_accounted = False  # optimizer states charged to o_tier (after the first step)

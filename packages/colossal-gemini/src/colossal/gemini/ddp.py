@@ -44,6 +44,15 @@ the traced operator ``i`` reserves the bytes of the traced operator with the sam
 the trace the peak is used as before. The traced gradient-buffer bytes of an operator are reserved
 less the live buffers and less the buffer being made room for (it is one of the traced ones).
 
+[Note: held chunks]
+A chunk can stay gathered through operators that do not use it: a tensor whose operator was left but
+whose gradient has not arrived (a tied input/output embedding waits for its second use, an unused
+parameter of a module that ran waits for the end of backward) keeps its chunk while autograd still
+holds saved views of any tensor of that chunk (see [Note: parent modules]). Warm-up records those
+chunks per operator (``OpRecord.held_chunk_ids``); the prefetch plan and the optimizer-block margin
+count their payloads next to the operator's own, otherwise a window that fits on paper overflows
+the budget in steady state.
+
 [Note: operators]
 The unit of tracing and placement is one module's forward or one module's backward ("operator"):
 that is the granularity at which chunks are needed. Parameters must be used inside the forward of
@@ -116,6 +125,8 @@ class GeminiDDP(nn.Module):
         self._storage_chunk = {c.payload.untyped_storage()._cdata: c for c in self.manager.chunks}
         self._model_keys = set(self._storage_chunk)
         self.policy = WarmupPolicy(self.manager, self._reserve)
+        self.policy.where, self.policy.advice = self.describe_op, self.budget_advice
+        self.manager.device.advice = self.budget_advice
         self.warmup = True
         self.belady_bytes: int | None = None
         self.prefetcher: Prefetcher | None = None  # set at the end of warm-up (sharded runs, prefetch > 0)
@@ -163,6 +174,24 @@ class GeminiDDP(nn.Module):
             handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
         return handles
 
+    def describe_op(self, i: int) -> str:
+        """``"operator <i> (<fwd|bwd>:<module name>)"``: how budget errors name where they happened."""
+        ops = self.trace.ops
+        label = self._op_label or (ops[i].label if 0 <= i < len(ops) else "")
+        return f"operator {i} ({label})" if label else f"operator {i}"
+
+    def budget_advice(self) -> str:
+        """The settings that can make a step fit, for this configuration (not the ones in force)."""
+        cfg, tips = self.config, ["raise device_memory_budget"]
+        if self.prefetcher is not None and cfg.prefetch > 0:
+            tips.append(f"lower prefetch (now {cfg.prefetch}; 0 gathers on demand)")
+        tips.append(f"lower chunk_size (now {self.manager.chunk_size} elements)")
+        if cfg.placement == "static":
+            tips.append(f"raise offload_param_frac (now {cfg.offload_param_frac}) or use placement='auto'")
+        if self.warmup:
+            tips.append("lower the batch size (activations are measured in this first step)")
+        return ", ".join(tips[:-1]) + " or " + tips[-1]
+
     def _is_model_storage(self, key: int) -> bool:
         return key in self._model_keys
 
@@ -207,6 +236,7 @@ class GeminiDDP(nn.Module):
         return t
 
     _tracking = False
+    _op_label = ""  # label of the operator being run (budget errors name it)
     _new_grad = 0  # bytes of the gradient buffer being made room for (counted once: see _reserve)
     _record_open = False
     _op_model = 0
@@ -289,6 +319,7 @@ class GeminiDDP(nn.Module):
 
     def _begin_op(self, label: str, chunks: list[Chunk]) -> None:
         with self.tracker.suspended(), events.label("placement"):
+            self._op_label = label
             training = torch.is_grad_enabled() or self._in_backward
             i = self.op_index if training else -1
             if training and not self.warmup:
@@ -302,10 +333,17 @@ class GeminiDDP(nn.Module):
             self.policy.after_op(self._current, keep)
             if self.prefetcher:
                 self.prefetcher.enter(keep)
+            if self.warmup and training:  # see [Note: held chunks]
+                own = {c.id for c in chunks}
+                held = [
+                    c.id for c in self.manager.chunks if c.id not in own and c.in_use and c.state is ChunkState.GATHERED
+                ]
+                self.trace.ops[-1].held_chunk_ids = tuple(held)
             self.policy.before_op(i, chunks)
             if self.prefetcher:
                 self.prefetcher.issue(i, lambda nbytes, protect: self.policy.make_room(nbytes, protect, i))
             self._current = chunks
+            self._op_label = label
             if training:
                 self.op_index += 1
             self._sample(label, i)
@@ -321,8 +359,8 @@ class GeminiDDP(nn.Module):
             if need > self.manager.device.budget:
                 raise BudgetExceededError(
                     f"need {need} bytes on the device at operator {op.label} (model {self._op_model}, non-model "
-                    f"{op.non_model_bytes} measured in warm-up), budget {self.manager.device.budget}; raise "
-                    f"device_memory_budget, lower chunk_size (now {self.manager.chunk_size}) or the batch size"
+                    f"{op.non_model_bytes} measured in warm-up), budget {self.manager.device.budget}; "
+                    f"{self.budget_advice()}"
                 )
             if self.manager.device.device.type == "cuda":
                 op.cuda_non_model_bytes = torch.cuda.memory_allocated() - self.manager.device.used_bytes
@@ -379,6 +417,7 @@ class GeminiDDP(nn.Module):
                 finally:
                     self._new_grad = 0
             self.manager.add_grad(chunk, info, param.grad)
+            chunk.got_grad.add(info.offset)
             if new_buffer:
                 self._pinned = max(self._pinned, self.manager.grad_buffer_bytes)
                 self._sample("grad", self.op_index - 1)
@@ -502,6 +541,7 @@ _RUNTIME = frozenset(
         "_tracking",
         "_record_open",
         "_op_model",
+        "_op_label",
         "_reduced",
         "warmup",
         "belady_bytes",

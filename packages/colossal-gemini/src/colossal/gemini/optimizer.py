@@ -15,6 +15,13 @@ states, e.g. LARS's ``scale``, on every rank, which checkpoints save per paramet
 chunks are sharded, a ``norm_reducer`` that sums the per-parameter squared norms over the
 data-parallel group. Rules that need a parameter's shape
 (Adafactor) are not supported.
+
+[Note: parameters without a gradient]
+``torch.optim`` leaves a parameter whose ``.grad`` is None untouched (no weight decay, no momentum,
+no step count). Each step agrees over the data-parallel group which parameters got a gradient on
+any rank since the last step (one all-reduce of a byte per parameter; as with DDP, one rank's
+gradient is every rank's); the others' slices get no ``.grad``, so the wrapped optimizer skips them
+on every rank alike (LAMB/LARS norm vectors still line up).
 """
 
 from __future__ import annotations
@@ -29,7 +36,14 @@ from colossal.gemini import events
 from colossal.gemini.chunk import Chunk
 from colossal.gemini.ddp import GeminiDDP
 from colossal.gemini.tiers import transfer
-from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, group_norm_reducer, has_inf_or_nan
+from colossal.optim import (
+    ConstantLossScaler,
+    DynamicLossScaler,
+    clip_grad_norm_,
+    grad_norm,
+    group_norm_reducer,
+    has_inf_or_nan,
+)
 
 __all__ = ["GeminiOptimizer"]
 
@@ -39,6 +53,13 @@ class GeminiOptimizer:
 
     Use ``optim.backward(loss)`` instead of ``loss.backward()``; several backward calls before one
     ``step()`` accumulate gradients.
+
+    Conventions shared with ``colossal.zero.ZeroOptimizer``: ``max_grad_norm=None`` disables clipping
+    (a value must be positive: ``torch.nn.utils.clip_grad_norm_(max_norm=0)`` would zero every
+    gradient); a step whose gradients hold an inf or NaN is skipped on every rank in every precision
+    (``check_overflow=False`` turns that off for fp32/bf16), counted in ``skipped_steps``;
+    ``last_grad_norm`` holds the pre-clip norm of the last clipped step; :meth:`grad_norm` reads the
+    norm before stepping.
     """
 
     def __init__(
@@ -47,9 +68,9 @@ class GeminiOptimizer:
         model: GeminiDDP,
         *,
         loss_scaler=None,
-        max_grad_norm: float = 0.0,
+        max_grad_norm: float | None = None,
         norm_type: float = 2.0,
-        check_overflow: bool = False,
+        check_overflow: bool = True,
     ):
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
@@ -62,8 +83,8 @@ class GeminiOptimizer:
                 f"{type(optim).__name__}(flatten=True) would move the parameters into its own flat buffers; "
                 f"Gemini already keeps them in flat fp32 chunks: construct it with flatten=False"
             )
-        if max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {max_grad_norm}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None (None disables clipping), got {max_grad_norm}")
         self.optim, self.model = optim, model
         self.manager = model.manager
         if loss_scaler is None:
@@ -71,6 +92,8 @@ class GeminiOptimizer:
         self.scaler = loss_scaler
         self.max_grad_norm, self.norm_type = max_grad_norm, norm_type
         self.check_overflow = check_overflow  # also skip non-finite steps with a constant loss scale
+        self.last_grad_norm: torch.Tensor | None = None
+        """Global gradient norm (before clipping) of the last step that clipped (``max_grad_norm`` set)."""
         self.slices: dict[int, list[tuple[nn.Parameter, int, int, str]]] = {}  # chunk -> (fake, lo, hi, name)
         self.empty: list[tuple[nn.Parameter, str]] = []  # layer-wise: (empty fake, name) of parameters held elsewhere
         self._replace_params()
@@ -117,6 +140,7 @@ class GeminiOptimizer:
         """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""
         for c in self.manager.chunks:
             c.has_grad = False
+            c.got_grad.clear()
 
     def _grads(self) -> list[torch.Tensor]:
         for c in self.manager.chunks:
@@ -137,28 +161,54 @@ class GeminiOptimizer:
             if found_inf:
                 self.skipped_steps += 1
             else:
-                if self.max_grad_norm > 0:
+                without = self._params_without_grad()
+                if self.max_grad_norm is not None:
                     self._clip(grads)
-                self._inner_step()
+                self._inner_step(without)
             self.scaler.update(found_inf)
             self.zero_grad()
             self.model.end_iteration(None if found_inf else self)
             return not found_inf
 
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm of the gradients the next ``step()`` applies (unscaled), over every rank's chunk
+        shards: what ``torch.nn.utils.clip_grad_norm_`` returns. Collective; call between backward and
+        ``step()``."""
+        m, grads = self.manager, self._grads()
+        kw = dict(group=m.group, all_reduce=_reduce("grad_norm"))
+        if m.replicated:  # every rank holds the same whole gradients: count them once
+            total = grad_norm([], norm_type, replicated=grads, **kw)
+        else:
+            total = grad_norm(grads, norm_type, **kw)
+        return total / self.scaler.scale
+
     def _clip(self, grads: list[torch.Tensor]) -> None:
         m = self.manager
         kw = dict(group=m.group, all_reduce=_reduce("grad_norm"))
         if m.replicated:  # every rank holds the same whole gradients: count them once
-            clip_grad_norm_([], self.max_grad_norm, self.norm_type, replicated=grads, **kw)
+            norm = clip_grad_norm_([], self.max_grad_norm, self.norm_type, replicated=grads, **kw)
         else:
-            clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, **kw)
+            norm = clip_grad_norm_(grads, self.max_grad_norm, self.norm_type, **kw)
+        self.last_grad_norm = norm
 
-    def _inner_step(self) -> None:
+    def _params_without_grad(self) -> set[str]:
+        """Names of the parameters no rank gave a gradient since the last step (collective when
+        data-parallel; see [Note: parameters without a gradient])."""
+        m = self.manager
+        infos = [(c, info) for c in m.chunks for info in c.tensors]
+        got = [info.offset in c.got_grad for c, info in infos]
+        if m.dp_size > 1:
+            flags = torch.tensor(got, dtype=torch.uint8, device=m.device.device)
+            comm.all_reduce(flags, "max", m.group, tag="gemini.grad_presence")
+            got = flags.bool().tolist()
+        return {info.name for (_, info), g in zip(infos, got, strict=True) if not g}
+
+    def _inner_step(self, without: set[str] = frozenset()) -> None:
         for chunk in self.manager.chunks:
-            for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
-                fake.grad = chunk.grad_shard[lo:hi]
-        for fake, _ in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
-            fake.grad = fake.data.new_zeros(0)
+            for fake, lo, hi, name in self.slices.get(chunk.id, ()):
+                fake.grad = None if name in without else chunk.grad_shard[lo:hi]
+        for fake, name in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
+            fake.grad = None if name in without else fake.data.new_zeros(0)
         self.optim.step()
         for fake, _ in self.empty:
             fake.grad = None

@@ -92,6 +92,10 @@ class PlacementPolicy:
         self._non_model = non_model  # op index -> non-model bytes to keep room for
         self.last_use: dict[int, int] = {}
         self.protected: frozenset[int] = frozenset()  # gathered or in flight for the prefetch window: never evicted
+        # how budget errors name operator i and what they suggest (GeminiDDP sets both: module labels, and
+        # only the settings that help in its configuration)
+        self.where: callable = lambda i: f"operator {i}"
+        self.advice: callable = lambda: "raise device_memory_budget or lower chunk_size"
 
     def victim(self, protect: set[int], i: int) -> Chunk | None:
         """The chunk to evict before operator ``i`` (None when nothing may go)."""
@@ -118,8 +122,7 @@ class PlacementPolicy:
                 need = dev.used_bytes + nbytes + self._non_model(i)
                 raise BudgetExceededError(
                     f"need {need} bytes on the device (model {dev.used_bytes + nbytes}, non-model "
-                    f"{self._non_model(i)}) at operator {i}, budget {dev.budget}; raise device_memory_budget, "
-                    f"lower chunk_size, or use placement='auto' / larger offload fractions"
+                    f"{self._non_model(i)}) at {self.where(i)}, budget {dev.budget}; {self.advice()}"
                 )
             self.m.evict(victim)
 

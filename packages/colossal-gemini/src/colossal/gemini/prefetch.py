@@ -132,7 +132,8 @@ def build_prefetcher(ddp, o_device_bytes: int) -> Prefetcher:
 
     def fits(j: int, ids: list[int]) -> bool:
         op = trace.ops[j]
-        ids = list(dict.fromkeys([*ids, *op.recompute_chunk_ids]))  # recomputations gather these too
+        # recomputations gather these too; held chunks stay gathered (see [Note: held chunks] in ddp.py)
+        ids = list(dict.fromkeys([*ids, *op.recompute_chunk_ids, *op.held_chunk_ids]))
         held = sum(m.chunks[c].nbytes + m.chunks[c].shard_nbytes for c in ids)  # payload + shard on the device
         # a new gradient buffer is made room for on top of the traced ones (make_room in _grad_ready)
         grad = m.chunks[0].nbytes if op.label.startswith("bwd:") else 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,6 +40,7 @@ class Tier:
         self.device = torch.device(device)
         self.budget = budget  # bytes; None = unlimited
         self.used_bytes = 0  # model data currently accounted here
+        self.advice: Callable[[], str] | None = None  # what a budget error suggests (set by the tier's owner)
         self.peak_bytes = 0
 
     @property
@@ -49,10 +51,10 @@ class Tier:
     def charge(self, nbytes: int, what: str = "model data") -> None:
         """Account ``nbytes`` more model data; raises :class:`BudgetExceededError` past the budget."""
         if self.budget is not None and self.used_bytes + nbytes > self.budget:
+            advice = self.advice() if self.advice else "raise device_memory_budget or offload more"
             raise BudgetExceededError(
                 f"{self.name} tier: need {self.used_bytes + nbytes} bytes of model data for {what}, "
-                f"budget {self.budget} bytes; raise device_memory_budget or offload more "
-                f"(placement='auto', or larger offload_param_frac / offload_optim_frac)"
+                f"budget {self.budget} bytes; {advice}"
             )
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)

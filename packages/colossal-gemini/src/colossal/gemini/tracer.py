@@ -40,6 +40,11 @@ class OpRecord:
     recompute_chunk_ids: tuple[int, ...] = ()
     """Chunks fetched during the operator for forwards recomputed inside backward (activation
     checkpointing); they are gathered next to the operator's own chunks."""
+    held_chunk_ids: tuple[int, ...] = ()
+    """Chunks outside ``chunk_ids`` that were gathered and could not be released when the operator began:
+    a tensor waiting for its gradient (a tied weight, an unused parameter of a module that ran) in a chunk
+    autograd still reads. They occupy the device next to the operator's own chunks (see ``[Note: held
+    chunks]`` in ``ddp.py``)."""
     cuda_non_model_bytes: int | None = None
     """On CUDA: ``memory_allocated()`` minus accounted model data at the operator's start (cross-check)."""
 

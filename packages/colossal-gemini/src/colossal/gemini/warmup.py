@@ -25,8 +25,9 @@ def _unit(manager, chunk) -> int:
 
 
 def _payload(manager, op) -> int:
-    """Transient gathered payloads of a sharded operator (its own chunks and those its recomputations gather)."""
-    ids = set(op.chunk_ids) | set(op.recompute_chunk_ids)
+    """Transient gathered payloads of a sharded operator (its own chunks, those its recomputations gather
+    and those held gathered next to it)."""
+    ids = set(op.chunk_ids) | set(op.recompute_chunk_ids) | set(op.held_chunk_ids)
     return sum(manager.chunks[c].nbytes for c in ids) if manager.sharded else 0
 
 
@@ -46,7 +47,7 @@ def _static_check(ddp, policy: StaticPolicy, o_device_bytes: int) -> None:
     m, budget = ddp.manager, ddp.manager.device.budget
     homed = sum(_unit(m, c) for c in m.chunks if c.id not in policy.host_homed)
     for i, op in enumerate(ddp.trace.ops):
-        ids = set(op.chunk_ids) | set(op.recompute_chunk_ids)
+        ids = set(op.chunk_ids) | set(op.recompute_chunk_ids) | set(op.held_chunk_ids)
         visiting = sum(_unit(m, m.chunks[c]) for c in ids if c in policy.host_homed)
         need = op.non_model_bytes + op.pinned_bytes + o_device_bytes + homed + visiting + _payload(m, op)
         if need > budget:
@@ -70,6 +71,7 @@ def finish_warmup(ddp, optimizer) -> None:
         o_device = _auto_optim_on_device(ddp, blocks)
         policy = AutoPolicy(m, ddp._reserve, ddp.trace)
     ddp.warmup = False
+    policy.where, policy.advice = ddp.describe_op, ddp.budget_advice
     ddp.policy = policy
     for c in m.chunks:
         if c.id not in o_device:

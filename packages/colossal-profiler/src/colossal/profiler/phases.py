@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from colossal.profiler.optimizers import hook_step
 from colossal.profiler.spans import OpenSpan, SpanOpener
 
 __all__ = ["PhaseRecorder"]
@@ -48,7 +49,7 @@ class PhaseRecorder:
         self._optimizer: OpenSpan | None = None
         self._backward: OpenSpan | None = None
 
-    def attach(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> None:
+    def attach(self, model: torch.nn.Module | None, optimizer: Any) -> None:
         """Register the hooks (idempotent)."""
         if self._handles:
             return
@@ -57,11 +58,8 @@ class PhaseRecorder:
                 model.register_forward_pre_hook(self._fwd_pre),
                 model.register_forward_hook(self._fwd_post),
             ]
-        if optimizer is not None:
-            self._handles += [
-                optimizer.register_step_pre_hook(self._opt_pre),
-                optimizer.register_step_post_hook(self._opt_post),
-            ]
+        if optimizer is not None:  # a torch optimizer or a wrapper: see [Note: wrapped optimizers]
+            self._handles += hook_step(optimizer, self._opt_pre, self._opt_post)
 
     def detach(self) -> None:
         """Remove every hook."""

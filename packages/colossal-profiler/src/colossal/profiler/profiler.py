@@ -24,6 +24,7 @@ from colossal.profiler.intervals import StepFigures, step_figures
 from colossal.profiler.memory import MemoryRecorder
 from colossal.profiler.module_backward import BackwardModuleRecorder
 from colossal.profiler.modules import ModuleRecorder
+from colossal.profiler.optimizers import check_optimizer, inner_torch_optimizer
 from colossal.profiler.outputs import Outputs
 from colossal.profiler.phases import PhaseRecorder
 from colossal.profiler.records import StepRecord
@@ -42,7 +43,9 @@ def _rank_and_world() -> tuple[int, int]:
 class Profiler:
     """Profile steps of a training loop: collectives, memory, phases, modules, derived figures.
 
-    ``model`` and ``optimizer`` are optional (phases and module spans need them). Options are
+    ``model`` and ``optimizer`` are optional (phases and module spans need them); ``optimizer`` is a
+    ``torch.optim.Optimizer`` or a wrapper of one with ``step()`` (a Booster's boosted optimizer,
+    ``ZeroOptimizer``, ``GeminiOptimizer``: see [Note: wrapped optimizers]). Options are
     :class:`ProfilerConfig` fields, given either as ``config=`` or as keyword arguments. ``clock``
     replaces ``time.perf_counter`` (tests inject a fake one; comm and memory events carry
     ``perf_counter`` times, so a custom clock must agree with it when those are recorded).
@@ -51,7 +54,7 @@ class Profiler:
     def __init__(
         self,
         model: torch.nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         *,
         config: ProfilerConfig | None = None,
         clock: Callable[[], float] | None = None,
@@ -61,8 +64,7 @@ class Profiler:
             raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        check_optimizer(optimizer)  # a torch optimizer or a wrapper of one: see [Note: wrapped optimizers]
         self.config = config if config is not None else ProfilerConfig(**options)
         """The options in force."""
         self.model, self.optimizer = model, optimizer
@@ -181,7 +183,7 @@ class Profiler:
     def _build(self) -> None:
         cfg, current = self.config, lambda: self._current
         self._spans = SpanOpener(current, self._clock)
-        self._memory = MemoryRecorder(current, self._clock, self.model, self.optimizer)
+        self._memory = MemoryRecorder(current, self._clock, self.model, inner_torch_optimizer(self.optimizer))
         self._comm = CommRecorder(lambda: self._current.comm if self._current is not None else None)
         # Model data changes when gradients appear or go and when optimizer states are made: recount
         # only at the ends of backward and optimizer (and at step boundaries); elsewhere reuse it.

@@ -198,10 +198,18 @@ def gather_output_1d(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> tor
     return gather_along_dim(x, dim, group)
 
 
-def cross_entropy_1d(logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, reduction: str = "mean"):
-    """Loss of vocab-split logits ``(..., V/P)`` against replicated ``target (...)``."""
+def cross_entropy_1d(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: ProcessGroup,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+):
+    """Loss of vocab-split logits ``(..., V/P)`` against replicated ``target (...)``, as
+    ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``)."""
     start = dist.get_rank(group) * logits.shape[-1]
-    return vocab_parallel_cross_entropy(logits, target, group, start, (), reduction)
+    return vocab_parallel_cross_entropy(logits, target, group, start, (), reduction, ignore_index, label_smoothing)
 
 
 def _share_input_grad_sync(model: nn.Module, plan: dict, group: ProcessGroup) -> None:

@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 from colossal.comm import Layout3D, Mesh, all_gather_along_dim, gather_along_dim, reduce_scatter_along_dim
 from colossal.tensor_parallel._ops import all_reduce_sum, gather_param, rows_chunk, shard_param
-from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from colossal.tensor_parallel.cross_entropy import check_targets, vocab_parallel_cross_entropy
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
@@ -236,12 +236,24 @@ def gather_output_3d(x: torch.Tensor, grid: Grid3D, orient: str = "L0") -> torch
     return gather_along_dim(x, 0, grid.layout.input)
 
 
-def cross_entropy_3d(logits: torch.Tensor, target: torch.Tensor, grid: Grid3D, reduction: str = "mean"):
-    """Loss of the LM head's logits against the full ``(B, ...)`` target (dense mean)."""
+def cross_entropy_3d(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grid: Grid3D,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+):
+    """Loss of the LM head's logits against the full ``(B, ...)`` target (dense mean), as
+    ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``)."""
     lay = grid.layout
+    check_targets(target, logits.shape[-1] * grid.q, ignore_index)  # the full target: every rank agrees
     target = rows_chunk(target, grid.row_block("L1"), grid.q**2)
     start = lay.output_index * logits.shape[-1]
-    return vocab_parallel_cross_entropy(logits, target, lay.output, start, (lay.input_x_weight,), reduction)
+    groups = (lay.input_x_weight,)
+    return vocab_parallel_cross_entropy(
+        logits, target, lay.output, start, groups, reduction, ignore_index, label_smoothing
+    )
 
 
 def apply_3d(model: nn.Module, layout: Layout3D | Mesh, plan: dict | None = None, axis: str = "tp") -> nn.Module:

@@ -31,7 +31,7 @@ from colossal.comm import (
     reduce_scatter_along_dim,
 )
 from colossal.tensor_parallel._ops import all_reduce_sum, gather_param, rows_chunk
-from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from colossal.tensor_parallel.cross_entropy import check_targets, vocab_parallel_cross_entropy
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, resolve_plan
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
@@ -259,11 +259,22 @@ def gather_output_2d(x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     return gather_along_dim(gather_along_dim(x, -1, grid.row), 0, grid.rows)
 
 
-def cross_entropy_2d(logits: torch.Tensor, target: torch.Tensor, grid: Grid2D, reduction: str = "mean"):
-    """Loss of ``(b, ..., V/q)`` logits against the full ``(B, ...)`` target (dense mean)."""
+def cross_entropy_2d(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grid: Grid2D,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+):
+    """Loss of ``(b, ..., V/q)`` logits against the full ``(B, ...)`` target (dense mean), as
+    ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``)."""
+    check_targets(target, logits.shape[-1] * grid.q, ignore_index)  # the full target: every rank agrees
     target = rows_chunk(target, grid.row_block, grid.row_blocks)
     start = grid.j * logits.shape[-1]
-    return vocab_parallel_cross_entropy(logits, target, grid.row, start, (grid.rows,), reduction)
+    return vocab_parallel_cross_entropy(
+        logits, target, grid.row, start, (grid.rows,), reduction, ignore_index, label_smoothing
+    )
 
 
 def layer_factories(grid: Grid2D) -> dict:

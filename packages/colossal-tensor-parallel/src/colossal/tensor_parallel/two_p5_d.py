@@ -75,9 +75,17 @@ def gather_output_2p5d(x: torch.Tensor, grid: two_d.Grid2D) -> torch.Tensor:
     return two_d.gather_output_2d(x, grid)
 
 
-def cross_entropy_2p5d(logits: torch.Tensor, target: torch.Tensor, grid: two_d.Grid2D, reduction: str = "mean"):
-    """Vocab-parallel loss of ``(B/(q*d), ..., V/q)`` logits against the full target."""
-    return two_d.cross_entropy_2d(logits, target, grid, reduction)
+def cross_entropy_2p5d(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grid: two_d.Grid2D,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+):
+    """Vocab-parallel loss of ``(B/(q*d), ..., V/q)`` logits against the full target, as
+    ``torch.nn.functional.cross_entropy`` (``ignore_index``, ``label_smoothing``)."""
+    return two_d.cross_entropy_2d(logits, target, grid, reduction, ignore_index, label_smoothing)
 
 
 def apply_2p5d(

@@ -13,6 +13,16 @@ Ren et al., 2021), mixed precision and reshardable checkpoints, over ``colossal.
 
 from colossal.zero._events import ChunkMoveEvent, MemorySample, ObserverHandle, register_observer
 from colossal.zero._flat_param import FlatParam, ShardedState
+from colossal.zero.checkpoint import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+    load_sharded,
+    load_sharded_state_dict,
+    save_sharded,
+    sharded_state_dict,
+)
 from colossal.zero.config import ShardStrategy, ZeroConfig
 from colossal.zero.optimizer import ZeroOptimizer
 
@@ -25,8 +35,16 @@ __all__ = [
     "ShardedState",
     "ZeroConfig",
     "ZeroOptimizer",
+    "full_model_state_dict",
+    "full_optimizer_state_dict",
+    "load_full_model_state_dict",
+    "load_full_optimizer_state_dict",
+    "load_sharded",
+    "load_sharded_state_dict",
     "register_observer",
+    "save_sharded",
     "shard_model",
+    "sharded_state_dict",
 ]
 
 

@@ -76,6 +76,7 @@ class FlatParam:
         self.full_grad: torch.Tensor | None = None  # (padded_numel,) local gradient accumulation
         self.shard_grad: torch.Tensor | None = None  # (shard_numel,) sum over ranks of the gradients
         self.ready: set[int] = set()  # params whose gradient arrived in this backward
+        self.got_grad: set[int] = set()  # params given a gradient since the last zero_grad (any pass)
         # Parameters whose gradients are reduced here (none for buffers outside the optimizer).
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad] if group_index is not None else []
         self.master_aliased = False  # master is the (fp32) shard of the working parameters itself

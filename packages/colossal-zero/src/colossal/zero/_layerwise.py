@@ -13,6 +13,10 @@ up, and ``norm_reducer`` sums them over the shard group (one all-reduce per step
 ``colossal.comm`` so it is a comm event). Replicas of an HSDP layout hold identical shards, so
 the sum runs over the shard group only. Gradients are attached as the matching views of the
 master's ``.grad`` right before the step and dropped right after.
+
+Element-wise optimizers switch to the same views (without a norm reducer) the first time a step
+has a parameter without a gradient: see ``[Note: parameters without a gradient]`` in
+``optimizer.py``.
 """
 
 from __future__ import annotations
@@ -45,13 +49,15 @@ def _span(flat: FlatParam, index: int) -> tuple[int, int]:
 class ParamShardViews:
     """Per-parameter views of every master shard (see ``[Note: layer-wise optimizers]``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, flats: list[FlatParam], group) -> None:
-        if optimizer.norm_reducer is not None:
-            raise ValueError(
-                f"{type(optimizer).__name__}.norm_reducer is already set; build it with norm_reducer=None: "
-                "ZeroOptimizer reduces the per-parameter norms over its shard group itself"
-            )
-        optimizer.norm_reducer = group_norm_reducer(group, all_reduce=functools.partial(all_reduce, tag="zero.norms"))
+    def __init__(self, optimizer: torch.optim.Optimizer, flats: list[FlatParam], group, layerwise: bool = True) -> None:
+        if layerwise:
+            if optimizer.norm_reducer is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.norm_reducer is already set; build it with norm_reducer=None: "
+                    "ZeroOptimizer reduces the per-parameter norms over its shard group itself"
+                )
+            reduce = functools.partial(all_reduce, tag="zero.norms")
+            optimizer.norm_reducer = group_norm_reducer(group, all_reduce=reduce)
         self.optimizer = optimizer
         self.flats = [f for f in flats if f.master is not None]
         self.spans = {id(f): [_span(f, i) for i in range(len(f.params))] for f in self.flats}
@@ -61,12 +67,15 @@ class ParamShardViews:
         """The views the optimizer's param group ``group_index`` holds (buffer order, then parameter order)."""
         return [v for f in self.flats if f.group_index == group_index for v in self.views[id(f)]]
 
-    def attach_grads(self) -> None:
-        """Give every view the matching slice of its master's ``.grad`` (right before the step)."""
+    def attach_grads(self, without: dict[int, set[int]] | None = None) -> None:
+        """Give every view the matching slice of its master's ``.grad`` (right before the step);
+        ``without[id(flat)]``: indices of parameters that got no gradient (their views get none,
+        so the optimizer leaves them, and their states, untouched, as ``torch.optim`` does)."""
+        without = without or {}
         for f in self.flats:
-            grad = f.master.grad
-            for v, (a, b) in zip(self.views[id(f)], self.spans[id(f)], strict=True):
-                v.grad = grad[a:b] if grad is not None else None
+            grad, skip = f.master.grad, without.get(id(f), ())
+            for i, (v, (a, b)) in enumerate(zip(self.views[id(f)], self.spans[id(f)], strict=True)):
+                v.grad = grad[a:b] if grad is not None and i not in skip else None
 
     def detach_grads(self) -> None:
         """Drop the views' gradients (they would keep the reduced gradient shards alive)."""

@@ -110,6 +110,7 @@ class GradReducer:
             view.add_(grad)
             param.grad = view
         flat.ready.add(index)
+        flat.got_grad.add(index)
         if len(flat.ready) == len(flat.trainable):
             if self.on_complete is not None:
                 self.on_complete(flat)
@@ -185,6 +186,7 @@ class GradReducer:
         """Forget all accumulated gradients (after a step or a skipped step)."""
         for flat in self.flats:
             flat.shard_grad = None
+            flat.got_grad.clear()
             if self.keep_full_grad:
                 flat.full_grad.zero_()
             else:

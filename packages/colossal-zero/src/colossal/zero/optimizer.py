@@ -7,6 +7,19 @@ group), keeps one fp32 *master* shard per buffer and re-points the optimizer's `
 at those masters (hyperparameters untouched), so any element-wise optimizer steps only this
 rank's ``1/N`` of the model. With fp32 working parameters and no offload the master *is* the
 shard of the working parameters (no copy), as in the paper's fp32 analogue.
+
+[Note: parameters without a gradient]
+``torch.optim`` skips a parameter whose ``.grad`` is None: no weight decay, no momentum, no step
+count. A flat master shard cannot skip part of itself, so each step first agrees, over the shard
+(and replicate) group, which parameters got a gradient on *any* rank since the last ``zero_grad``
+(one all-reduce of a byte per trainable parameter; under data parallelism, as with DDP, a gradient
+from one rank is the gradient of every rank). The usual step (every parameter has one) steps the
+flat masters. The first step that has a parameter without one switches the engine, for good, to
+per-parameter views of the masters (:class:`~colossal.zero._layerwise.ParamShardViews`, as the
+layer-wise optimizers use; the flat states are split into them): those parameters' views get no
+gradient, so they and their states (including their own ``step``) stay as they were, exactly as
+with ``torch.optim``. The decision is the same on every rank, so LAMB/LARS norm vectors still line
+up (every rank leaves out the same parameters).
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colossal.comm import all_reduce, broadcast, group_ranks, register_observer
-from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
+from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, grad_norm, has_inf_or_nan
 from colossal.zero import _events, checkpoint
 from colossal.zero._flat_param import FlatParam
 from colossal.zero._layerwise import ParamShardViews, is_layerwise
@@ -187,6 +200,7 @@ class ZeroOptimizer:
             for g in grads:
                 g.mul_(1.0 / (self.world * self.replicas))  # gradients were summed over ranks
             self.scaler.unscale_(grads)
+            without = self._params_without_grad()
             if self.config.max_grad_norm is not None:
                 self.last_grad_norm = clip_grad_norm_(
                     grads,
@@ -194,17 +208,61 @@ class ZeroOptimizer:
                     group=self.config.group,
                     all_reduce=functools.partial(all_reduce, tag="zero.grad_norm"),
                 )
-            self._optimizer_step()
+            self._optimizer_step(without)
             self.scaler.update(False)
             self._publish_params()
             self._finish_step()
             return True
 
-    def _optimizer_step(self) -> None:
+    def _params_without_grad(self) -> dict[int, set[int]]:
+        """``id(flat) -> indices`` of trainable parameters no rank gave a gradient since the last
+        ``zero_grad`` (see ``[Note: parameters without a gradient]``); collective when distributed."""
+        flats = self.reducer.flats
+        got = [i in f.got_grad for f in flats for i in f.trainable]
+        if self.world * self.replicas > 1:
+            flags = torch.tensor(got, dtype=torch.uint8, device=self.device)
+            all_reduce(flags, "max", self.config.group, tag="zero.grad_presence")
+            if self.config.replicate_group is not None:
+                all_reduce(flags, "max", self.config.replicate_group, tag="zero.grad_presence")
+            got = flags.bool().tolist()
+        out: dict[int, set[int]] = {}
+        it = iter(got)
+        for f in flats:
+            got_f = {i: next(it) for i in f.trainable}  # frozen parameters handed to the optimizer never have one
+            missing = {i for i in range(len(f.params)) if not got_f.get(i, False)}
+            if missing:
+                out[id(f)] = missing
+        return out
+
+    def _use_param_views(self) -> None:
+        """Switch an element-wise optimizer from flat masters to per-parameter views, keeping its state."""
+        states = {id(f): self.optimizer.state.pop(f.master, {}) for f in self.flats if f.master is not None}
+        self._views = ParamShardViews(self.optimizer, self.flats, self.config.group, layerwise=False)
+        for gi, group in enumerate(self.optimizer.param_groups):
+            group["params"] = self._views.group_params(gi)
+        for f in self._views.flats:
+            if states[id(f)]:
+                self._views.set_flat_state(f, states[id(f)])
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm of the gradients the next ``step()`` applies (averaged over ranks, unscaled),
+        over every rank's shards: what ``torch.nn.utils.clip_grad_norm_`` returns. Collective; call
+        between backward and ``step()``."""
+        self.wait_params()
+        self.reducer.wait_all()
+        grads = self._master_grads()
+        total = grad_norm(
+            grads, norm_type, group=self.config.group, all_reduce=functools.partial(all_reduce, tag="zero.grad_norm")
+        )
+        return total / (self.world * self.replicas * self.scaler.scale)
+
+    def _optimizer_step(self, without: dict[int, set[int]] | None = None) -> None:
+        if self._views is None and without:
+            self._use_param_views()
         if self._views is None:
             self.optimizer.step()
             return
-        self._views.attach_grads()
+        self._views.attach_grads(without)
         try:
             self.optimizer.step()
         finally:
@@ -224,7 +282,10 @@ class ZeroOptimizer:
         return [shared] * len(flat.params)
 
     def _set_param_scalars(self, flat: FlatParam, scalars: list[dict]) -> None:
-        """Per-parameter scalar states (layer-wise optimizers; element-wise ones share the flat's)."""
+        """Per-parameter scalar states (layer-wise optimizers; element-wise ones share the flat's
+        unless they differ, e.g. a parameter skipped a step: see [Note: parameters without a gradient])."""
+        if self._views is None and any(_scalars_differ(scalars[0], sc) for sc in scalars[1:]):
+            self._use_param_views()
         if self._views is not None:
             self._views.set_param_scalars(flat, scalars)
 
@@ -395,6 +456,12 @@ class ZeroOptimizer:
         names the checkpoint lacks that stay as they are (a non-strict load)."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_sharded_state_dict(self, metadata, load, include_optimizer=include_optimizer, skip=skip)
+
+
+def _scalars_differ(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return bool(a) and bool(b)  # a parameter with no state yet (held elsewhere) says nothing
+    return any(float(a[k]) != float(b[k]) for k in a if isinstance(a[k], (int, float, torch.Tensor)))
 
 
 class _CommTap:

@@ -4,7 +4,7 @@ its backward, freed right after; the next unit's gather is started early (prefet
 [Note: units and hooks]
 A unit is the root module or a submodule picked by the wrap policy (default: each child of an
 ``nn.ModuleList``, i.e. each transformer block). A parameter belongs to the innermost unit that
-contains it, or to the root when several units share it (tied weights). Hooks:
+encloses every module owning it (see ``[Note: shared parameters]``). Hooks:
 
 * forward pre-hook: gather the unit (waiting on a prefetch if one is in flight), start
   gathering the next unit in the recorded forward order;
@@ -13,6 +13,15 @@ contains it, or to the root when several units share it (tied weights). Hooks:
 * output-gradient hook (pre-backward): gather the unit again, prefetch the previous one;
 * the gradient reducer calls back when every parameter of the unit has its gradient: the unit
   is freed; the end-of-backward callback frees whatever is left (unused or frozen parameters).
+
+[Note: shared parameters]
+A unit's parameters are gathered only around that unit's forward and backward. A parameter owned by
+several modules (an input embedding tied to an output head) is used in the forward of each owner,
+and an owner that is not a unit runs inside the forward of its innermost enclosing unit. So the
+parameter must live in the unit that encloses *all* of its owners' units (their lowest common
+ancestor in the unit tree, as FSDP does), else it is freed while another owner computes with it: an
+embedding tied to a ``nn.Linear`` head with ``wrap_policy=(nn.Linear,)`` used to put the shared
+weight in the head's unit, and the root's embedding read freed storage.
 """
 
 from __future__ import annotations
@@ -54,21 +63,43 @@ def find_units(model: nn.Module, policy) -> list[nn.Module]:
 
 
 def assign_params(model: nn.Module, units: list[nn.Module]) -> list[list[nn.Parameter]]:
-    """Parameters per unit (registration order): innermost owner, root for shared ones."""
-    owners: dict[nn.Parameter, set[int]] = {}
-    for ui, mod in enumerate(units[1:], start=1):
-        for p in mod.parameters():
-            owners.setdefault(p, set()).add(ui)
+    """Parameters per unit (registration order): the innermost unit enclosing every module that
+    owns the parameter (see ``[Note: shared parameters]``)."""
+    index = {id(m): i for i, m in enumerate(units)}
+    parent = [0] * len(units)  # unit -> enclosing unit (the root encloses itself)
+    enclosing: dict[int, set[int]] = {}  # module -> innermost units containing it (one per path)
+
+    def walk(module: nn.Module, cur: int, seen: set[int]) -> None:
+        i = index.get(id(module), cur)
+        if i != cur:
+            parent[i] = parent[i] or cur
+        enclosing.setdefault(id(module), set()).add(i)
+        for child in module.children():
+            if id(child) not in seen:  # a module cannot contain itself; guards odd graphs
+                walk(child, i, seen | {id(child)})
+
+    walk(model, 0, {id(model)})
+    users: dict[nn.Parameter, set[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users.setdefault(p, set()).update(enclosing[id(module)])
     out: list[list[nn.Parameter]] = [[] for _ in units]
     for p in model.parameters():
-        cands = owners.get(p, set())
-        inner = [u for u in cands if all(_contains(units[v], units[u]) for v in cands)]
-        out[inner[0] if inner else 0].append(p)
+        out[_common_unit(users[p], parent)].append(p)
     return out
 
 
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
+def _common_unit(found: set[int], parent: list[int]) -> int:
+    """The innermost unit whose chain of enclosing units every unit in ``found`` goes through."""
+
+    def chain(u: int) -> list[int]:
+        out = [u]
+        while out[-1] != 0:
+            out.append(parent[out[-1]])
+        return out
+
+    chains = [chain(u) for u in sorted(found)]
+    return next(u for u in chains[0] if all(u in c for c in chains[1:]))
 
 
 class Stage3Engine:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
+from colossalai.booster.plugin import Plugin, ensure_process_group, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 
 __all__ = ["TorchFSDPPlugin"]
@@ -33,8 +33,7 @@ class TorchFSDPPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer, precision: Precision):
         """Shard ``model`` block by block (meta models are materialised shard-wise when they
         provide ``init_weights``, densely otherwise)."""
-        if not torch.distributed.is_initialized():
-            raise ValueError("TorchFSDPPlugin needs torch.distributed initialised (run under torchrun or launch())")
+        ensure_process_group("TorchFSDPPlugin")  # a plain single process gets a world of one
         names = param_names(model)
         lazy = any(p.is_meta for p in model.parameters()) and hasattr(model, "init_weights")
         if not lazy:

@@ -31,9 +31,11 @@ class GeminiBoostedOptimizer(EngineBoostedOptimizer):
     def __init__(self, gemini_optim) -> None:
         super().__init__(gemini_optim, gemini_optim.optim)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Clip inside the next ``step()`` over every rank's chunk shards; returns None."""
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip inside the next ``step()`` over every rank's chunk shards; returns the total norm before
+        clipping, as ``torch.nn.utils.clip_grad_norm_`` (collective)."""
         self._clip_next_step(max_grad_norm=float(max_norm), norm_type=float(norm_type))
+        return self.engine.grad_norm(float(norm_type))
 
 
 class GeminiPlugin(Plugin):

@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
+from colossalai.booster.plugin import (
+    Plugin,
+    ensure_process_group,
+    materialize_optimizer_state,
+    param_names,
+    rebind_optimizer,
+)
 from colossalai.booster.precision import Precision
 from colossalai.booster.wrappers import EngineBoostedOptimizer
 from colossalai.checkpoint.slices import GROUPS_KEY, apply_groups, groups_blob
@@ -33,12 +39,13 @@ class ZeroBoostedOptimizer(EngineBoostedOptimizer):
     def __init__(self, zero) -> None:
         super().__init__(zero, zero.optimizer)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Clip inside the next ``step()`` (the norm spans every rank's shards); returns None —
-        read ``engine.last_grad_norm`` after the step."""
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip inside the next ``step()`` (the norm spans every rank's shards); returns the total norm
+        before clipping, as ``torch.nn.utils.clip_grad_norm_`` (collective)."""
         if norm_type != 2.0:
             raise NotImplementedError(f"ZeroPlugin clips the 2-norm only, got norm_type={norm_type}")
         self._clip_next_step(max_grad_norm=float(max_norm))
+        return self.engine.grad_norm(2.0)
 
     @property
     def engine_clip_target(self):
@@ -70,8 +77,7 @@ class ZeroPlugin(Plugin):
 
         if optimizer is None:
             raise ValueError("ZeroPlugin needs an optimizer to shard (boost(model, optimizer, ...))")
-        if not torch.distributed.is_initialized():
-            raise ValueError("ZeroPlugin needs torch.distributed initialised (run under torchrun or launch())")
+        ensure_process_group("ZeroPlugin")  # a plain single process gets a world of one
         if self.engine is not None:
             raise ValueError("this ZeroPlugin already manages a model; create one plugin per model")
         names = param_names(model)

@@ -59,7 +59,7 @@ from colossalai.booster.hybrid.wrappers import (
     check_layout,
 )
 from colossalai.booster.hybrid.zero import HybridZeroOptimizer, zero_engine
-from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
+from colossalai.booster.plugin import Plugin, ensure_process_group, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 from colossalai.booster.zero_plugin import load_zero_optimizer, zero_optimizer_state
 
@@ -178,8 +178,7 @@ class HybridParallelPlugin(Plugin):
 
     def configure(self, model: nn.Module, optimizer, precision):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
-        if not torch.distributed.is_initialized():
-            raise ValueError("HybridParallelPlugin needs torch.distributed initialised (torchrun or launch())")
+        ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)
