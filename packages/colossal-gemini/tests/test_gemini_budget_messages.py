@@ -3,31 +3,27 @@
 chunks are prefetched, never ``placement='auto'`` when auto is already in use. The budget is
 lowered after warm-up to force the error in a steady-state step."""
 
-import pathlib
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from colossal.comm.testing import run_distributed
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gemini_gpt import GPT, GPTConfig, loss_fn, make_batches  # noqa: E402
-
-from colossal.gemini import BudgetExceededError, GeminiDDP, GeminiOptimizer  # noqa: E402
+from colossal.gemini import BudgetExceededError, GeminiDDP, GeminiOptimizer
+from colossal.testkit import GPT, GPTConfig, lm_loss, random_batches
 
 
 def _steady_state_error(placement="auto", **kw):
     torch.manual_seed(0)
-    gem = GeminiDDP(GPT(GPTConfig()), device_memory_budget=10_000_000, chunk_size=8192, placement=placement, **kw)
+    gem = GeminiDDP(
+        GPT(GPTConfig(init="torch")), device_memory_budget=10_000_000, chunk_size=8192, placement=placement, **kw
+    )
     opt = GeminiOptimizer(torch.optim.AdamW(gem.parameters(), lr=1e-2), gem)
-    (x, y), (x2, y2) = make_batches(2, batch=2, seq=8)
-    opt.backward(loss_fn(gem(x), y))
+    (x, y), (x2, y2) = random_batches(2, batch=2, seq=8)
+    opt.backward(lm_loss(gem(x), y))
     opt.step()  # warm-up done: the trace drives placement from here on
     gem.manager.device.budget = gem.manager.device.used_bytes + 40_000
     try:
-        opt.backward(loss_fn(gem(x2), y2))
+        opt.backward(lm_loss(gem(x2), y2))
     except BudgetExceededError as e:
         return str(e)
     return None
