@@ -97,9 +97,10 @@ def _hybrid_clip_step(kwargs, max_norm: float, norm_type: float):
     model, optim, _, loader, _ = booster.boost(model, optim, criterion, loader)
     x, y = next(iter(loader))
     booster.backward(criterion(model(x), y), optim)
-    booster.clip_grad_norm(optim, max_norm, norm_type)
+    returned = booster.clip_grad_norm(optim, max_norm, norm_type).item()
     optim.step()
-    return optim.unwrap().last_grad_norm.item(), plugin.full_model_state_dict(model.module)
+    assert returned == pytest.approx(optim.unwrap().last_grad_norm.item(), rel=1e-5)  # the norm before clipping
+    return returned, plugin.full_model_state_dict(model.module)
 
 
 TP_CLIP = [

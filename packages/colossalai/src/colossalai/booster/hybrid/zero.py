@@ -40,12 +40,26 @@ class HybridZeroOptimizer(ZeroBoostedOptimizer):
         if replicas is not None:
             self._hook = zero.optimizer.register_step_pre_hook(self._clip_before_step)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> None:
-        """Clip inside the next ``step()`` by the dense gradient norm; returns None — read
-        ``engine.last_grad_norm`` after the step."""
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip inside the next ``step()`` by the dense gradient norm; returns that norm before
+        clipping (unscaled, each element counted once), as ``torch.nn.utils.clip_grad_norm_``.
+        Collective."""
         if self.replicas is None:
             return super().clip_grad_norm(max_norm, norm_type)
         self._pending = (float(max_norm), float(norm_type))
+        engine = self.engine
+        engine.grad_norm(norm_type)  # waits for the reductions and fills the masters' summed gradients
+        total = self._dense_norm(float(norm_type))
+        return total / (engine.world * engine.replicas * engine.scaler.scale)
+
+    def _dense_norm(self, p: float) -> torch.Tensor:
+        """The norm of the masters' gradients as they are now, each dense element counted once,
+        over ``norm_group``."""
+        from colossal.comm import all_reduce
+        from colossal.optim import grad_norm
+
+        reduce = functools.partial(all_reduce, tag="hybrid.zero.grad_norm")
+        return grad_norm(self._weighted_grads(p), p, group=self.norm_group, all_reduce=reduce)
 
     def _weighted_grads(self, p: float) -> list[torch.Tensor]:
         out = []
@@ -65,13 +79,9 @@ class HybridZeroOptimizer(ZeroBoostedOptimizer):
         """ZeRO's masters hold their final gradients: clip them by the dense norm."""
         if self._pending is None:
             return
-        from colossal.comm import all_reduce
-        from colossal.optim import grad_norm
-
         (max_norm, p), self._pending = self._pending, None
         with torch.profiler.record_function("colossalai.booster::hybrid_zero_clip"):
-            reduce = functools.partial(all_reduce, tag="hybrid.zero.grad_norm")
-            total = grad_norm(self._weighted_grads(p), p, group=self.norm_group, all_reduce=reduce)
+            total = self._dense_norm(p)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for flat in self.engine.flats:
                 if flat.master is not None and flat.master.grad is not None:
