@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-TRAIN = ["train", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--corpus-bytes", "100000"]
+# The tiny, fast configuration, every size explicit (the defaults train the demo model for minutes).
+TRAIN = ["train", "--plugin", "ddp", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8"]
+TRAIN += ["--corpus-bytes", "100000"]
 TRAIN += ["--progress", "plain", "--log-every", "1", "--sample-tokens", "8", "--warmup", "2"]
 
 
@@ -138,3 +140,17 @@ def test_bad_options_fail_clearly(capsys):
 def test_train_with_2d_tensor_parallel_on_four_processes(tmp_path):
     out = _cli(*TRAIN, "--steps", "2", "--nproc", "4", "--plugin", "hybrid", "--tp-mode", "2d", "--tp-size", "4")
     assert sorted(_losses(out)) == [1, 2] and "hybrid x 4 process(es)" in out and "sample:" in out
+
+
+def test_gemini_summary_says_model_states_exceed_the_device_budget():
+    # Default plugin (gemini) and default budget (0.65 x the model states) on a tiny config whose
+    # activations fit it: the summary says how much larger the states are, and what moved per tier.
+    tiny = ["train", "--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--corpus-bytes", "100000"]
+    out = _cli(*tiny, "--steps", "3", "--warmup", "1", "--progress", "plain", "--sample-tokens", "8")
+    m = re.search(r"model states ([0-9.]+ \w+) = ([0-9.]+) x the device budget \(([0-9.]+ \w+) on cpu", out)
+    assert m is not None, out
+    assert float(m[2]) > 1 and "gemini x 1 process(es)" in out
+    for tier in ("host -> device", "device -> host"):
+        moved = re.search(rf"{tier}\s+│ ([0-9.]+) (\w+) \(([0-9.]+) (\w+)/step\)", out)
+        assert moved is not None and float(moved[3]) > 0, out  # chunks move every step
+    assert "offline optimum" in out and "time copying" in out
