@@ -103,10 +103,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: ``colossalai train`` (Gemini training the mini GPT on the embedded corpus under a
-    device budget smaller than its model states).
+    """The main job: ``colossalai train``: Gemini trains the mini GPT on the embedded corpus under a
+    device budget smaller than its model states.
 
-        Extra arguments go to ``colossalai train`` (e.g. ``nox -s demo -- --plugin zero --nproc 2``).
+    Extra arguments go to ``colossalai train`` (e.g. ``nox -s demo -- --plugin zero --nproc 2``).
     """
     install_packages(session, sibling_closure("colossalai") + ["colossalai"])
     session.env.setdefault("OMP_NUM_THREADS", "2")
