@@ -10,7 +10,7 @@ import pytest
 
 # The tiny, fast configuration, every size explicit (the defaults train the demo model for minutes).
 TRAIN = ["train", "--plugin", "ddp", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8"]
-TRAIN += ["--corpus-bytes", "100000"]
+TRAIN += ["--corpus-bytes", "100000", "--lr", "3e-3"]
 TRAIN += ["--progress", "plain", "--log-every", "1", "--sample-tokens", "8", "--warmup", "2"]
 
 

@@ -23,7 +23,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps in total (default {STEPS})")
     p.add_argument("--batch-size", type=int, default=4, help="global batch size in sequences (default 4)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: preset block size)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before cosine decay (default 50)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip gradient norm to this (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
