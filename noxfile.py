@@ -140,7 +140,8 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: ``colossalai train`` (the tiny GPT on the embedded corpus, on the CPU).
+    """The main job: ``colossalai train``: Gemini trains the mini GPT on the embedded corpus under a
+    device budget smaller than its model states.
 
     Extra arguments go to ``colossalai train`` (e.g. ``nox -s demo -- --plugin zero --nproc 2``).
     """

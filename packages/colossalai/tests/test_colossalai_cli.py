@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-TRAIN = ["train", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--corpus-bytes", "100000"]
+# The tiny, fast configuration, every size explicit (the defaults train the demo model for minutes).
+TRAIN = ["train", "--plugin", "ddp", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8"]
+TRAIN += ["--corpus-bytes", "100000", "--lr", "3e-3"]
 TRAIN += ["--progress", "plain", "--log-every", "1", "--sample-tokens", "8", "--warmup", "2"]
 
 
@@ -154,3 +156,17 @@ def test_train_with_pipeline_parallel_on_two_processes(first_run, tmp_path):
 
     exported = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
     assert {"wte.weight", "wpe.weight", "blocks.0.ln_1.weight", "blocks.1.ln_1.weight", "ln_f.weight"} <= set(exported)
+
+
+def test_gemini_summary_says_model_states_exceed_the_device_budget():
+    # Default plugin (gemini) and default budget (0.65 x the model states) on a tiny config whose
+    # activations fit it: the summary says how much larger the states are, and what moved per tier.
+    tiny = ["train", "--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--corpus-bytes", "100000"]
+    out = _cli(*tiny, "--steps", "3", "--warmup", "1", "--progress", "plain", "--sample-tokens", "8")
+    m = re.search(r"model states ([0-9.]+ \w+) = ([0-9.]+) x the device budget \(([0-9.]+ \w+) on cpu", out)
+    assert m is not None, out
+    assert float(m[2]) > 1 and "gemini x 1 process(es)" in out
+    for tier in ("host -> device", "device -> host"):
+        moved = re.search(rf"{tier}\s+│ ([0-9.]+) (\w+) \(([0-9.]+) (\w+)/step\)", out)
+        assert moved is not None and float(moved[3]) > 0, out  # chunks move every step
+    assert "offline optimum" in out and "time copying" in out

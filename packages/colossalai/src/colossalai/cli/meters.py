@@ -110,6 +110,11 @@ class Meters:
         """Freeze the throughput clock (end of training; the final sample is not counted)."""
         self._t1 = time.perf_counter()
 
+    def seconds(self) -> float:
+        """Seconds between start and stop (or now)."""
+        end = self._t1 if self._t1 is not None else time.perf_counter()
+        return end - self._t0
+
     def tokens_per_s(self) -> float:
         """Tokens processed per second between start and stop (all ranks)."""
         end = self._t1 if self._t1 is not None else time.perf_counter()

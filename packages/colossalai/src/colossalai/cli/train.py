@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from colossalai.booster import Booster, RunState
 from colossalai.booster.registry import make_plugin
+from colossalai.cli import headline
 from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
 from colossalai.cli.train_args import parse_bytes
@@ -28,11 +30,30 @@ def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def _device_budget(args: argparse.Namespace) -> int:
+    """``--device-budget``, or the default: a fraction of the model states of one process
+    (``[Note: the default device budget]`` in ``colossalai.cli.headline``)."""
+    given = parse_bytes(args.device_budget)
+    if given is not None:
+        return given
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))  # Gemini shards the states over every rank
+    family = model_family(args.model)
+    config = family.config(family.preset(args.preset), **({"block_size": args.seq_len} if args.seq_len else {}))
+    return headline.default_device_budget(config.num_parameters(), args.precision, world)
+
+
+def _activation_checkpointing(args: argparse.Namespace) -> bool:
+    """``--[no-]activation-checkpointing``; default on with Gemini (activations count in its budget)."""
+    if args.activation_checkpointing is None:
+        return args.plugin == "gemini"
+    return args.activation_checkpointing
+
+
 def _plugin(args: argparse.Namespace):
     """The plugin named by ``--plugin`` with its own options (others must keep their defaults)."""
     budget = parse_bytes(args.device_budget)
     own = {
-        "gemini": dict(placement=args.placement, device_memory_budget=budget),
+        "gemini": dict(placement=args.placement, device_memory_budget=_device_budget(args)),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
         "hybrid": dict(
             tp_size=args.tp_size if args.tp_size is not None else (2 if args.sp_size == args.pp_size == 1 else 1),
@@ -77,7 +98,7 @@ def _setup(args: argparse.Namespace):
     preset = family.preset(args.preset)
     seq_len = args.seq_len or family.config(preset).block_size
     model = family.build(
-        preset, seed=args.seed, block_size=seq_len, activation_checkpointing=args.activation_checkpointing
+        preset, seed=args.seed, block_size=seq_len, activation_checkpointing=_activation_checkpointing(args)
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _schedule(optim, args.warmup, args.steps)
@@ -228,6 +249,17 @@ def _model_name(args: argparse.Namespace) -> str:
     return f"{family.label} {family.preset(args.preset)}"
 
 
+def _headline(args, booster: Booster, rows: dict[str, str], meters: Meters) -> str:
+    """With Gemini: add the bytes moved per tier to ``rows`` and return the capacity line
+    ("model states X = N x the device budget"); other plugins: ''."""
+    engine = getattr(booster.plugin, "model", None)
+    if args.plugin != "gemini" or engine is None:
+        return ""
+    rows.update(headline.tier_rows(engine.stats_history, meters.seconds()))
+    states = headline.model_state_bytes(engine.module.config.num_parameters(), args.precision, booster.plugin.dp_size())
+    return headline.headline(states, engine.manager.device.budget, engine.manager.device.kind)
+
+
 def train(args: argparse.Namespace) -> dict:
     """Run ``colossalai train`` in this process (one rank of the job); returns the summary figures."""
     from colossal.comm import launch
@@ -257,12 +289,15 @@ def train(args: argparse.Namespace) -> dict:
         "wall time": f"{time.perf_counter() - t0:.1f} s",
         "checkpoint": str(args.save_dir or "-"),
     }
+    line = _headline(args, booster, rows, meters)
     if info.rank == 0:
         from rich.console import Console
 
         console = Console()
         console.print(summary_table(rows))
+        if line:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         if sample:
             console.print("[bold]sample:[/bold]")
             console.print(sample, markup=False, highlight=False)
-    return {**rows, "first_loss": first, "last_loss": last}
+    return {**rows, "first_loss": first, "last_loss": last, "headline": line}

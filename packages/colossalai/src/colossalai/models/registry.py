@@ -22,7 +22,7 @@ class ModelFamily:
     presets: Mapping[str, dict]
     """Preset name -> config fields."""
     default_preset: str
-    """The preset used when none is named (the family's tiny model)."""
+    """The preset used when none is named (the main job's size: about a million parameters)."""
     config: Callable[..., object]
     """``config(preset, **overrides)`` -> the family's config dataclass."""
     build: Callable[..., nn.Module]
@@ -38,9 +38,9 @@ class ModelFamily:
 
 
 MODELS: dict[str, ModelFamily] = {
-    "gpt": ModelFamily(label="GPT", presets=PRESETS, default_preset="tiny", config=gpt_config, build=build_gpt),
+    "gpt": ModelFamily(label="GPT", presets=PRESETS, default_preset="mini", config=gpt_config, build=build_gpt),
     "palm": ModelFamily(
-        label="PaLM", presets=PALM_PRESETS, default_preset="palm-tiny", config=palm_config, build=build_palm
+        label="PaLM", presets=PALM_PRESETS, default_preset="palm-mini", config=palm_config, build=build_palm
     ),
 }
 """CLI name -> :class:`ModelFamily`."""
