@@ -278,7 +278,7 @@ def test_cli_options_for_palm():
 
     parser = build_parser()
     args = parser.parse_args(["train", "--model", "palm"])
-    validate.validate_train(args)  # the default preset becomes palm-tiny
+    validate.validate_train(args)  # the default preset becomes palm-mini
     for argv, message in (
         (["--preset", "tiny"], "--preset tiny is not a --model palm preset"),
         (["--plugin", "hybrid", "--nproc", "2"], "--plugin hybrid splits --model gpt only"),
@@ -305,7 +305,8 @@ def test_cli_trains_palm_tiny_and_resumes_it_under_zero_3(tmp_path):
     ZeRO-3 on 2 processes repeats steps 4-6 of the uninterrupted single-process run."""
     import re
 
-    argv = ["train", "--model", "palm", "--steps", "6", "--seq-len", "32", "--batch-size", "8", "--warmup", "2"]
+    argv = ["train", "--model", "palm", "--preset", "palm-tiny", "--plugin", "ddp", "--steps", "6", "--seq-len", "32"]
+    argv += ["--batch-size", "8", "--warmup", "2"]
     argv += ["--corpus-bytes", "100000", "--progress", "plain", "--log-every", "1", "--sample-tokens", "8"]
     out = _cli(*argv, "--save-every", "3", "--save-dir", str(tmp_path))
     losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step (\d+)/\d+ loss ([0-9.]+)", out)}

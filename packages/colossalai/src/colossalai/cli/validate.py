@@ -173,8 +173,9 @@ def _split_rules(config, plugin, per_rank_batch: int, seq_len: int) -> list[tupl
     return rules + [(per_rank_batch, rows, "batch per data-parallel rank", f"the {mode} batch blocks {rows}")]
 
 
-def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
-    """The preset (with ``--seq-len``) is a valid model of ``--model`` that the plugin can split."""
+def _check_family(args: argparse.Namespace) -> None:
+    """``--preset`` belongs to ``--model`` (checked before the plugin is built: the default Gemini
+    budget is sized from the preset)."""
     from colossalai.models import model_family
 
     family = model_family(args.model)
@@ -182,6 +183,13 @@ def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
         raise UsageError(
             f"--preset {args.preset} is not a --model {args.model} preset; choose from {list(family.presets)}"
         )
+
+
+def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
+    """The preset (with ``--seq-len``) is a valid model of ``--model`` that the plugin can split."""
+    from colossalai.models import model_family
+
+    family = model_family(args.model)
     if args.model != "gpt" and args.plugin == "hybrid":  # its built-in tensor/sequence-parallel plan is the GPT's
         raise UsageError(
             f"--plugin hybrid splits --model gpt only; train --model {args.model} with ddp, fsdp, zero or gemini"
@@ -211,6 +219,7 @@ def validate_train(args: argparse.Namespace, world: int | None = None) -> list[s
     _check_ranges(args)
     _check_paths(args)
     _check_plugin_flags(args)
+    _check_family(args)
     plugin = _build_plugin(args)
     world = args.nproc if world is None else world
     dp = _data_parallel(args, plugin, world)
