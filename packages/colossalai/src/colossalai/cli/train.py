@@ -18,7 +18,7 @@ from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
 from colossalai.cli.train_args import parse_bytes
 from colossalai.data import corpus_dataset, decode, encode
-from colossalai.models import build_gpt, gpt_config
+from colossalai.models import build_gpt, build_moe_gpt
 
 __all__ = ["train", "criterion"]
 
@@ -35,7 +35,9 @@ def _plugin(args: argparse.Namespace):
         "gemini": dict(placement=args.placement, device_memory_budget=budget),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
         "hybrid": dict(
-            tp_size=args.tp_size if args.tp_size is not None else (2 if args.sp_size == args.pp_size == 1 else 1),
+            tp_size=args.tp_size
+            if args.tp_size is not None
+            else (2 if args.sp_size == args.pp_size == args.ep_size == 1 else 1),
             tp_mode=args.tp_mode,
             tp_depth=args.tp_depth,
             sp_size=args.sp_size,
@@ -44,6 +46,7 @@ def _plugin(args: argparse.Namespace):
             num_microbatches=args.microbatches,
             pp_schedule=args.pp_schedule,
             pp_virtual=args.pp_virtual,
+            ep_size=args.ep_size,
         ),
     }
     foreign = {"--device-budget": budget is not None, "--offload": args.offload, "--zero-stage": args.zero_stage != 2}
@@ -73,9 +76,12 @@ def _setup(args: argparse.Namespace):
     dp = booster.plugin.dp_size()
     if args.batch_size % dp:
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
-    seq_len = args.seq_len or gpt_config(args.preset).block_size
-    model = build_gpt(
-        args.preset, seed=args.seed, block_size=seq_len, activation_checkpointing=args.activation_checkpointing
+    from colossalai.cli.validate import model_config, preset_name
+
+    seq_len = args.seq_len or model_config(args).block_size
+    build = build_moe_gpt if args.model == "moe-gpt" else build_gpt
+    model = build(
+        preset_name(args), seed=args.seed, block_size=seq_len, activation_checkpointing=args.activation_checkpointing
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _schedule(optim, args.warmup, args.steps)
@@ -104,6 +110,26 @@ def _mean_loss(loss: torch.Tensor, booster: Booster) -> float:
         dist.all_reduce(value, group=getattr(booster.plugin, "dp_group", None))
         value /= booster.plugin.dp_size()
     return value.item()
+
+
+def _moe_status(model, booster: Booster) -> str:
+    """``drop 1.2% balance 1.31``: the share of tokens whose every expert assignment was dropped
+    (over the MoE layers and the data-parallel ranks) and the expert load balance (busiest
+    expert's kept assignments over the mean, the worst layer) of the last forward; ``""`` for a
+    model without MoE layers. Collective over the data-parallel group (every rank calls it)."""
+    stats_of = getattr(model.unwrap(), "moe_stats", None)
+    stats = stats_of() if stats_of is not None else []
+    if not stats:
+        return ""
+    counts = torch.stack([s.expert_counts.detach().float().cpu() for s in stats])  # (layers, E)
+    dropped = torch.tensor([[float(s.tokens_dropped), float(s.tokens)] for s in stats]).sum(0)
+    flat = torch.cat([counts.flatten(), dropped]).to(booster.plugin.device)
+    if dist.is_initialized() and booster.plugin.dp_size() > 1:
+        dist.all_reduce(flat, group=getattr(booster.plugin, "dp_group", None))
+    flat = flat.cpu()
+    counts, (n_dropped, n_tokens) = flat[: counts.numel()].view_as(counts), flat[counts.numel() :].tolist()
+    balance = (counts.max(1).values / counts.mean(1).clamp_min(1e-12)).max().item()
+    return f"drop {100 * n_dropped / max(n_tokens, 1):.1f}% balance {balance:.2f}"
 
 
 def _profiler(args, model, optim, tokens_per_step: int):
@@ -172,7 +198,7 @@ def _loop(args, booster, model, optim, loader, sched, state, seq_len, rank):
                 meters.tokens += args.batch_size * seq_len
                 first = loss if first is None else first
                 last = loss
-                progress.update(state.step, loss, meters)
+                progress.update(state.step, loss, meters, _moe_status(model, booster))
                 logger.log(state.step, loss, sched.get_last_lr()[0], meters)
                 if prof is not None:
                     prof.step()
@@ -223,6 +249,7 @@ def _sample(model, n_tokens: int, seed: int, rows: int = 1, seq_multiple: int = 
 def train(args: argparse.Namespace) -> dict:
     """Run ``colossalai train`` in this process (one rank of the job); returns the summary figures."""
     from colossal.comm import launch
+    from colossalai.cli.validate import preset_name
 
     info = launch()
     t0 = time.perf_counter()
@@ -239,7 +266,8 @@ def train(args: argparse.Namespace) -> dict:
     sample = _sample(model, args.sample_tokens, args.seed, tp, sp) if args.sample_tokens > 0 and pp == 1 else ""
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
-        "model": f"GPT {args.preset}: {model.unwrap().config.num_parameters():,} parameters",
+        "model": f"{'MoE GPT' if args.model == 'moe-gpt' else 'GPT'} {preset_name(args)}: "
+        f"{model.unwrap().config.num_parameters():,} parameters",
         "steps": f"{start} -> {state.step}",
         "loss": f"{first:.4f} -> {last:.4f}" if first is not None else "n/a",
         "tokens/s": f"{meters.tokens_per_s():,.0f}",

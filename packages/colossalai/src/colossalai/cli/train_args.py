@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from colossalai.booster.registry import PLUGINS
-from colossalai.models import PRESETS
+from colossalai.models import MOE_PRESETS, PRESETS
 
 __all__ = ["add_train_arguments"]
 
@@ -13,7 +13,13 @@ __all__ = ["add_train_arguments"]
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """Register every ``train`` option on ``p``."""
     p.add_argument("--plugin", default="ddp", choices=sorted(PLUGINS), help="parallel layout (default ddp)")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="GPT size (default tiny)")
+    p.add_argument("--model", default="gpt", choices=["gpt", "moe-gpt"], help="model family (default gpt)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=[*PRESETS, *MOE_PRESETS],
+        help="model size (default tiny; moe-tiny for --model moe-gpt)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="processes on this host (relaunches through torchrun)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="mixed precision")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in total (default 200)")
@@ -44,6 +50,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline schedule",
     )
     p.add_argument("--pp-virtual", type=int, default=1, help="chunks per pipeline rank (hybrid, interleaved)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel degree (hybrid, --model moe-gpt)")
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer states on the CPU (zero)")
     p.add_argument("--save-dir", default=None, help="checkpoint root (step-N folders + 'latest')")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")

@@ -10,7 +10,11 @@ Ranges of the plain numbers; paths; plugin-only flags given to another plugin; t
 constructor checks and precisions; the parallel degrees against the world size; the global batch
 against the data-parallel size; the corpus against one global batch; the GPT's shape against the
 tensor/sequence-parallel split (the divisibilities ``colossal.tensor_parallel`` checks at
-conversion time, restated here for the built-in GPT); the processes against the cores (a warning)
+conversion time, restated here for the built-in GPT), against the pipeline (``n_layer`` divisible
+by ``pp_size * pp_virtual`` for the uniform partition, the batch per data-parallel rank by
+``--microbatches``, which ``interleaved`` needs divisible by ``pp_size``) and, for
+``--model moe-gpt``, against the expert split (``--ep-size`` dividing the data-parallel size and
+every MoE layer's experts; ep composes with dp only); the processes against the cores (a warning)
 and the GPUs (an error).
 """
 
@@ -43,6 +47,7 @@ PLUGIN_FLAGS: dict[str, tuple[str, ...]] = {
         "microbatches",
         "pp_schedule",
         "pp_virtual",
+        "ep_size",
     ),
 }
 """Plugin -> the ``train`` options (argparse ``dest``) that only it reads."""
@@ -173,16 +178,64 @@ def _split_rules(config, plugin, per_rank_batch: int, seq_len: int) -> list[tupl
     return rules + [(per_rank_batch, rows, "batch per data-parallel rank", f"the {mode} batch blocks {rows}")]
 
 
+def _pipeline_rules(config, plugin, per_rank_batch: int) -> list[tuple[int, int, str, str]]:
+    """``(value, divisor, what, by_what)`` the pipeline split needs (uniform partition)."""
+    pp, virtual = getattr(plugin, "pp_size", 1), getattr(plugin, "pp_virtual", 1)
+    if pp == 1:
+        return []
+    m = plugin.num_microbatches
+    rules = [(config.n_layer, pp * virtual, "n_layer", f"--pp-size x --pp-virtual {pp} x {virtual}")]
+    rules.append((per_rank_batch, m, "batch per data-parallel rank", "--microbatches"))
+    if plugin.pp_schedule == "interleaved":
+        rules.append((m, pp, "--microbatches", "--pp-size for --pp-schedule interleaved"))
+    return rules
+
+
+def _check_moe(args: argparse.Namespace, config, plugin, dp: int) -> None:
+    """``--ep-size`` against the model and the data-parallel size (what ``check_ep`` checks)."""
+    ep = getattr(plugin, "ep_size", 1)
+    if args.model != "moe-gpt":
+        if ep > 1:
+            raise UsageError(f"--ep-size {ep} needs a model with experts (--model moe-gpt), got --model {args.model}")
+        return
+    if getattr(plugin, "pp_size", 1) > 1:
+        raise UsageError("--model moe-gpt does not run under pipeline parallelism yet (--pp-size 1)")
+    if dp % ep:
+        raise UsageError(f"--ep-size {ep} must divide the data-parallel size {dp}")
+    if config.num_experts % ep:
+        raise UsageError(
+            f"MoE GPT {preset_name(args)}: num_experts {config.num_experts} must be divisible by --ep-size {ep}"
+        )
+
+
+def preset_name(args: argparse.Namespace) -> str:
+    """``--preset``, or the model's default (tiny; moe-tiny for ``--model moe-gpt``)."""
+    return args.preset or ("moe-tiny" if args.model == "moe-gpt" else "tiny")
+
+
+def model_config(args: argparse.Namespace):
+    """The ``--model`` / ``--preset`` config (``--preset`` must name a preset of that model)."""
+    from colossalai.models import MOE_PRESETS, PRESETS, gpt_config, moe_gpt_config
+
+    presets = MOE_PRESETS if args.model == "moe-gpt" else PRESETS
+    preset = preset_name(args)
+    if preset not in presets:
+        raise UsageError(f"--preset {preset} is not a --model {args.model} preset; choose from {', '.join(presets)}")
+    return moe_gpt_config(preset) if args.model == "moe-gpt" else gpt_config(preset)
+
+
 def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
     """The preset (with ``--seq-len``) is a valid GPT that the plugin can split."""
-    from colossalai.models import gpt_config
-
-    config = gpt_config(args.preset)
+    config = model_config(args)
     seq_len = args.seq_len or config.block_size
     _check_corpus(args, seq_len)
-    for value, by, what, by_what in _split_rules(config, plugin, args.batch_size // dp, seq_len):
+    per_rank = args.batch_size // dp
+    for value, by, what, by_what in _split_rules(config, plugin, per_rank, seq_len) + _pipeline_rules(
+        config, plugin, per_rank
+    ):
         if value % by:
-            raise UsageError(f"GPT {args.preset}: {what} {value} must be divisible by {by_what} (= {by})")
+            raise UsageError(f"GPT {preset_name(args)}: {what} {value} must be divisible by {by_what} (= {by})")
+    _check_moe(args, config, plugin, dp)
 
 
 def _check_processes(nproc: int) -> list[str]:
