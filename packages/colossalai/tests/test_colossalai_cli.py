@@ -154,3 +154,12 @@ def test_train_with_pipeline_parallel_on_two_processes(first_run, tmp_path):
 
     exported = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
     assert {"wte.weight", "wpe.weight", "blocks.0.ln_1.weight", "blocks.1.ln_1.weight", "ln_f.weight"} <= set(exported)
+
+
+def test_train_moe_gpt_with_expert_parallel_on_two_processes():
+    """``--model moe-gpt --ep-size 2``: each step's line shows the MoE drop rate and expert balance."""
+    ep = ["--model", "moe-gpt", "--preset", "moe-tiny", "--plugin", "hybrid", "--ep-size", "2", "--nproc", "2"]
+    out = _cli(*[a for a in TRAIN if a not in ("--preset", "tiny")], "--steps", "2", *ep)
+    assert sorted(_losses(out)) == [1, 2] and "MoE GPT moe-tiny" in out, out
+    lines = re.findall(r"step \d+/2 .* drop (\d+\.\d)% balance (\d+\.\d\d)", out)
+    assert len(lines) == 2 and all(0 <= float(d) <= 100 and float(b) >= 1.0 for d, b in lines), out
