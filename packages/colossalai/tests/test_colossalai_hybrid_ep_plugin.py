@@ -175,3 +175,29 @@ def _aux_loss_switch():
 
 def test_booster_adds_moe_aux_loss_switchably():
     assert run_distributed(_aux_loss_switch, 1, timeout=60) == [True]
+
+
+def _save_then_train_on(root):
+    from colossalai_harness import boosted_setup
+
+    from colossalai import HybridParallelPlugin
+
+    booster, model, optim, loader = boosted_setup(HybridParallelPlugin(tp_size=2))
+    losses = []
+    for step, (x, y) in enumerate(loader):
+        if step == 3:
+            break
+        losses.append(mean_over_dp(booster.execute_pipeline((x, y), model, criterion, optim), booster))
+        optim.step()
+        optim.zero_grad()
+        if step == 0:
+            booster.save_optimizer(optim, root)  # used to leave DTensors in the live AdamW state
+    return losses
+
+
+def test_hybrid_trains_on_after_saving_the_optimizer(tmp_path):
+    from colossalai_harness import reference_losses
+
+    got = run_distributed(_save_then_train_on, 2, str(tmp_path), timeout=120)[0]
+    want = reference_losses(3)
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, want, strict=True)), (got, want)
