@@ -61,7 +61,7 @@ BAD_TRAIN = [
         "MoE GPT moe-tiny: num_experts 4 must be divisible by --ep-size 8",
     ),
     (
-        ["--model", "moe-gpt", *HYBRID, "--ep-size", "2", "--tp-size", "2", "--nproc", "4"],
+        ["--model", "moe-gpt", *HYBRID, "--ep-size", "2", "--sp-size", "2", "--nproc", "4"],
         "ep_size=2 composes with data parallelism",
     ),
     (["--model", "moe-gpt", "--preset", "tiny"], "--preset tiny is not a --model moe-gpt preset"),

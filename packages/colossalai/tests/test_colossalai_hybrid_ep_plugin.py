@@ -60,8 +60,9 @@ def _train(booster, model, optim, loader, steps, start=0, *, reference=False, sa
         optim.zero_grad()
         losses.append(mean_over_dp(loss, booster))
         if reference:
-            batches = [None] * dist.get_world_size()
-            dist.all_gather_object(batches, (x, y))
+            group = booster.plugin.dp_group  # tp peers read the same batch
+            batches = [None] * dist.get_world_size(group)
+            dist.all_gather_object(batches, (x, y), group=group)
             ref = sum(criterion(full(bx), by) + moe_aux_loss(full) for bx, by in batches) / len(batches)
             ref.backward()
             ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), CLIP)
@@ -82,19 +83,22 @@ def _train(booster, model, optim, loader, steps, start=0, *, reference=False, sa
     return losses
 
 
-def _ep_equals_dense():
+def _ep_equals_dense(tp_size):
     from colossalai import HybridParallelPlugin
 
-    plugin = HybridParallelPlugin(tp_size=1, ep_size=2)
+    plugin = HybridParallelPlugin(tp_size=tp_size, ep_size=2)
     booster, model, optim, loader = _setup(plugin)
     experts = model.unwrap().blocks[1].mlp.experts
     assert experts.w_in.shape[0] == 2, "each rank holds 2 of the 4 experts"
-    assert dist.get_world_size(plugin._ep.groups.edp) == 2 and dist.get_world_size(plugin._ep.groups.ep) == 2
+    edp = 2 if tp_size == 1 else 1
+    assert dist.get_world_size(plugin._ep.groups.edp) == edp and dist.get_world_size(plugin._ep.groups.ep) == 2
     return _train(booster, model, optim, loader, STEPS, reference=True)
 
 
-def test_ep2_x_edp2_trains_like_one_process_with_every_expert():
-    losses = run_distributed(_ep_equals_dense, 4, timeout=240)
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["edp2-ep2", "ep2-tp2"])
+def test_ep2_trains_like_one_process_with_every_expert(tp_size):
+    """edp 2 x ep 2 with DDP; ep 2 x 1D tp 2 (dp 2 = ep 2), on 4 ranks."""
+    losses = run_distributed(_ep_equals_dense, 4, tp_size, timeout=240)
     assert all(r == losses[0] for r in losses) and len(losses[0]) == STEPS
 
 
@@ -139,7 +143,9 @@ def _bad_configs():
         boost(HybridParallelPlugin(tp_size=1, ep_size=2), build_gpt("tiny", seed=0))
     with pytest.raises(ValueError, match="ep_size must be a positive int, got 0"):
         HybridParallelPlugin(tp_size=1, ep_size=0)
-    for bad in ({"tp_size": 2}, {"tp_size": 1, "zero_stage": 1}, {"tp_size": 1, "pp_size": 2}):
+    bad_layouts = ({"tp_size": 4, "tp_mode": "2d"}, {"tp_size": 1, "zero_stage": 1}, {"tp_size": 1, "pp_size": 2})
+    bad_layouts += ({"tp_size": 1, "sp_size": 2},)
+    for bad in bad_layouts:
         with pytest.raises(NotImplementedError, match="ep_size=2 composes with data parallelism"):
             HybridParallelPlugin(ep_size=2, **bad)
     dist.barrier()  # every rank got here: nothing above started a collective

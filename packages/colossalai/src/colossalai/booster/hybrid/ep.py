@@ -3,7 +3,7 @@ reduce expert gradients over their own group, and keep checkpoints in dense form
 
 This is the colossalai-side piece that ``HybridParallelPlugin(ep_size=...)`` composes with DDP
 or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
-``HybridParallelPlugin(tp_size=1, ep_size=E)`` composes this module with DDP:
+``HybridParallelPlugin(ep_size=E)`` composes this module with DDP and 1D tensor parallelism:
 
 1. Groups: the plugin's ``dp`` group (``D`` ranks) is split into ``edp x ep`` with ``ep`` inner:
    each run of ``E`` consecutive dp ranks shares out the experts (the ``ep`` group), the ranks
@@ -11,14 +11,15 @@ or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
    reduce over all of ``dp`` (``colossal.moe.expert_groups`` on the dp group). Checked before any
    group is made (:func:`check_ep`): ``E`` divides ``D``, the model has MoE layers, each layer's
    expert count is divisible by ``E``.
-2. ``configure``: after tensor/sequence/pipeline conversion (ep composes with none of them yet:
-   the plugin raises ``NotImplementedError``) and before DDP, :func:`apply_expert_parallel` swaps
+2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
+   every tp rank of a dp rank holds the same experts and routes the same tokens; sp, pp and
+   2D/2.5D/3D tp raise ``NotImplementedError``) and before DDP, :func:`apply_expert_parallel` swaps
    each ``MoE`` for its local slice in place, then the optimizer is rebound by name.
 3. DDP ignores the expert parameters (under the wrapped module's names), so it averages dense
    gradients only; :class:`ExpertParallelOptimizer` calls :meth:`ExpertParallel.reduce_expert_gradients`
-   once per step, before clipping and ``step``, and clips by the norm of the dense model (expert
-   gradients summed over ``ep``, dense ones counted once). Gradient accumulation under ``no_sync``
-   keeps working: the expert reduction waits for ``step``.
+   once per step, before clipping and ``step``, and clips by the norm of the dense model (the
+   non-expert gradients counted over tp as without ep, expert gradients summed over ``ep``).
+   Gradient accumulation under ``no_sync`` keeps working: the expert reduction waits for ``step``.
 4. State: the plugin's ``_to_portable`` / ``_to_local`` route expert names through
    :meth:`ExpertParallel.to_portable` / :meth:`ExpertParallel.to_local` (before the tensor-parallel
    routing), so model and optimizer checkpoints hold every expert under its dense name and load
@@ -33,6 +34,7 @@ or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -159,15 +161,15 @@ def apply_expert_parallel(
 
 class ExpertParallelOptimizer(TensorParallelOptimizer):
     """The hybrid plugin's optimizer under expert parallelism: expert gradients are reduced over
-    ``edp`` once per step (before clipping and ``step``); the clip norm is the dense model's, with
-    the ``ep`` group in the role of the tensor-parallel group (experts are split over it, every
-    other parameter is replicated on it), as is the fp16 overflow check."""
+    ``edp`` once per step (before clipping and ``step``). Clipping uses the norm of the dense
+    model: the non-expert gradients as the tensor-parallel optimizer counts them (``replicas``,
+    over ``group``, the tp group) combined with the expert gradients summed over ``ep`` (experts
+    are replicated on the tp ranks, split over ep). fp16's overflow check spans every rank."""
 
-    def __init__(self, optimizer, model: nn.Module, ep: ExpertParallel, scaler=None) -> None:
+    def __init__(self, optimizer, model: nn.Module, ep: ExpertParallel, replicas, group, group_size: int, scaler=None):
         experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
-        size = ep.groups.ep_size
-        replicas = [(p, 1 if id(p) in experts else size) for p in model.parameters()]
-        super().__init__(optimizer, replicas, ep.groups.ep, size, scaler)
+        super().__init__(optimizer, [(p, m) for p, m in replicas if id(p) not in experts], group, group_size, scaler)
+        self.experts = [p for p in model.parameters() if id(p) in experts]
         self.ep, self.model, self._reduced = ep, model, False
 
     def _reduce_experts(self) -> None:
@@ -176,15 +178,43 @@ class ExpertParallelOptimizer(TensorParallelOptimizer):
             self._reduced = True
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Reduce the expert gradients, then clip by the norm of the dense model's gradients."""
+        """Reduce the expert gradients, then clip every gradient by the norm of the dense model's."""
+        import math
+
+        from colossal.optim import grad_norm
+
         self._reduce_experts()
-        return super().clip_grad_norm(max_norm, norm_type)
+        self._unscale()
+        p = float(norm_type)
+        sharded, replicated = self._split(p)
+        dense = grad_norm(sharded, p, group=self.tp_group, replicated=replicated)
+        expert = grad_norm([e.grad for e in self.experts if e.grad is not None], p, group=self.ep.groups.ep)
+        expert = expert.to(dense.device)
+        total = torch.maximum(dense, expert) if p == math.inf else (dense**p + expert**p) ** (1.0 / p)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in [q for q, _ in self.replicas] + self.experts:
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.device))
+        return total
 
     def step(self, *args, **kwargs) -> None:
-        """Reduce the expert gradients (unless ``clip_grad_norm`` did), then step."""
+        """Reduce the expert gradients (unless ``clip_grad_norm`` did), then step (fp16: skipped on
+        every rank when any rank's gradients overflowed)."""
         self._reduce_experts()
         try:
-            super().step(*args, **kwargs)
+            if self.scaler is None:
+                return super().step(*args, **kwargs)
+            from colossal.comm import all_reduce
+            from colossal.optim import has_inf_or_nan
+
+            self._unscale()
+            reduce = functools.partial(all_reduce, tag="hybrid.ep.overflow")
+            found_inf = has_inf_or_nan(self._grads(), None, all_reduce=reduce)
+            self.scaler.update(found_inf)
+            self.last_step_skipped = found_inf
+            if not found_inf:
+                self.optim.step(*args, **kwargs)
+            self._unscaled = False
         finally:
             self._reduced = False
 

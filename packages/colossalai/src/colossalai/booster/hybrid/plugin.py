@@ -13,8 +13,9 @@ averaged over ``dp`` (times ``sp``) by DDP.
 [Note: the order of the axes]
 ``configure`` applies the axes in one order: materialise, tensor parallel (:mod:`.tp` layers
 convert the dense modules), sequence parallel (wraps the converted model), pipeline parallel
-(:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), then
-data parallel last (DDP or ZeRO wrap exactly the parameters this rank keeps).
+(:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), expert
+parallel (:mod:`.ep` swaps each MoE layer for this rank's experts, before the optimizer is rebound
+by name), then data parallel last (DDP or ZeRO wrap exactly the parameters this rank keeps).
 
 [Note: tensor-parallel state in checkpoints]
 A 1D-parallel parameter is an even split, in rank order, of the dense parameter along one
@@ -90,15 +91,15 @@ class HybridParallelPlugin(Plugin):
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
-    ``HybridParallelPlugin(tp_size=1, ep_size=2)``: expert parallelism for a model with
+    ``HybridParallelPlugin(tp_size=1, ep_size=2)`` (or ``tp_size=2``, 1D): expert parallelism for a model with
     ``colossal.moe.MoE`` layers (e.g. ``build_moe_gpt``): the dp axis is split into ``edp x ep``
     (``ep`` consecutive ranks share out each layer's experts; ``[Note: expert parallelism in the
     hybrid plugin]`` in :mod:`colossalai.booster.hybrid.ep`), dense parameters reduce over dp with
     DDP, expert gradients over ``edp`` before ``step``; checkpoints hold every expert under its
     dense name.
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
-    Booster refuses it when built); ``ep_size > 1`` with ``tp_size``, ``sp_size`` or ``pp_size``
-    above 1 or with ``zero_stage`` 1/2 (ep composes with DDP-style dp only, yet).
+    Booster refuses it when built); ``ep_size > 1`` with ``sp_size`` or ``pp_size`` above 1, with a
+    ``tp_mode`` other than 1d, or with ``zero_stage`` 1/2 (ep composes with DDP-style dp and 1D tp).
     """
 
     name = "hybrid"
@@ -136,12 +137,13 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"pp_size > 1 composes with tp and dp, not yet with sp (got sp_size={sp_size})")
         check_layout(tp_size, tp_mode, tp_depth)
         if ep_size > 1:
-            others = {"tp_size": tp_size, "sp_size": sp_size, "pp_size": pp_size, "zero_stage": zero_stage}
+            others = {"sp_size": sp_size, "pp_size": pp_size, "zero_stage": zero_stage}
             bad = {k: v for k, v in others.items() if v != (0 if k == "zero_stage" else 1)}
+            bad |= {"tp_mode": repr(tp_mode)} if tp_size > 1 and tp_mode != "1d" else {}
             if bad:
                 raise NotImplementedError(
-                    f"ep_size={ep_size} composes with data parallelism (DDP, tp_size=1, sp_size=1, pp_size=1, "
-                    f"zero_stage=0) only, got {', '.join(f'{k}={v}' for k, v in bad.items())}"
+                    f"ep_size={ep_size} composes with data parallelism (DDP) and 1D tensor parallelism only "
+                    f"(sp_size=1, pp_size=1, zero_stage=0), got {', '.join(f'{k}={v}' for k, v in bad.items())}"
                 )
         self.ep_size = ep_size
         self._ep: ExpertParallel | None = None  # what apply_expert_parallel did (ep_size > 1)
@@ -242,10 +244,13 @@ class HybridParallelPlugin(Plugin):
             self._scaler = _fp16_scaler() if precision is Precision.FP16 else None  # scales inside the pipeline
             return PipelineOptimizer(optimizer, replicas, norm_group, self._scaler)
         scaler = _fp16_scaler() if precision is Precision.FP16 else None
-        if self._ep is not None:
-            return ExpertParallelOptimizer(optimizer, model, self._ep, scaler)
         axis, size = self._inner
-        replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
+        experts = self._ep.dense_shapes if self._ep is not None else {}
+        replicas = [
+            (p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters() if n not in experts
+        ]
+        if self._ep is not None:
+            return ExpertParallelOptimizer(optimizer, model, self._ep, replicas, mesh.group(axis), size, scaler)
         return TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
 
     def execute_pipeline(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion) -> torch.Tensor:
