@@ -176,6 +176,11 @@ def _aux_loss_switch():
     assert on_loss == pytest.approx(plain + aux, rel=1e-6) and off_loss == pytest.approx(off_plain, rel=1e-6)
     with pytest.raises(TypeError, match="moe_aux_loss must be a bool"):
         Booster(plugin=TorchDDPPlugin(), moe_aux_loss="yes")
+    from colossalai import HybridParallelPlugin
+
+    pipe = HybridParallelPlugin(tp_size=1, pp_size=2)  # refused before configure: no collective
+    with pytest.raises(NotImplementedError, match="not added under pipeline parallelism yet"):
+        Booster(plugin=pipe).boost(_model())
     return True
 
 
