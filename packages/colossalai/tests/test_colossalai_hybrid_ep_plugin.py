@@ -212,3 +212,20 @@ def test_hybrid_trains_on_after_saving_the_optimizer(tmp_path):
     got = run_distributed(_save_then_train_on, 2, str(tmp_path), timeout=120)[0]
     want = reference_losses(3)
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, want, strict=True)), (got, want)
+
+
+def _ep_mixed(precision):
+    from colossalai import HybridParallelPlugin
+
+    out = {}
+    for mode in ("fp32", precision):
+        booster, model, optim, loader = _setup(HybridParallelPlugin(tp_size=1, ep_size=2), mixed_precision=mode)
+        out[mode] = _train(booster, model, optim, loader, 2)
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_ep2_mixed_precision_follows_fp32(precision):
+    """fp16 (loss scaled, overflow agreed over every rank) and bf16 autocast: within 3e-2 of fp32."""
+    out = run_distributed(_ep_mixed, 2, precision, timeout=180)[0]
+    assert all(abs(a - b) <= 3e-2 * b for a, b in zip(out[precision], out["fp32"], strict=True)), out
