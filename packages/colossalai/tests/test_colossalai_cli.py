@@ -170,3 +170,12 @@ def test_gemini_summary_says_model_states_exceed_the_device_budget():
         moved = re.search(rf"{tier}\s+│ ([0-9.]+) (\w+) \(([0-9.]+) (\w+)/step\)", out)
         assert moved is not None and float(moved[3]) > 0, out  # chunks move every step
     assert "offline optimum" in out and "time copying" in out
+
+
+def test_train_moe_gpt_with_expert_parallel_on_two_processes():
+    """``--model moe-gpt --ep-size 2``: each step's line shows the MoE drop rate and expert balance."""
+    ep = ["--model", "moe-gpt", "--preset", "moe-tiny", "--plugin", "hybrid", "--ep-size", "2", "--nproc", "2"]
+    out = _cli(*[a for a in TRAIN if a not in ("--preset", "tiny")], "--steps", "2", *ep)
+    assert sorted(_losses(out)) == [1, 2] and "MoE GPT moe-tiny" in out, out
+    lines = re.findall(r"step \d+/2 .* drop (\d+\.\d)% balance (\d+\.\d\d)", out)
+    assert len(lines) == 2 and all(0 <= float(d) <= 100 and float(b) >= 1.0 for d, b in lines), out

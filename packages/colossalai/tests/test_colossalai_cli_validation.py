@@ -50,6 +50,30 @@ BAD_TRAIN = [
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    ([*HYBRID, "--ep-size", "2", "--nproc", "2"], "--ep-size 2 needs a model with experts (--model moe-gpt)"),
+    (["--ep-size", "2"], "--ep-size applies to --plugin hybrid, got --plugin ddp"),
+    (
+        ["--model", "moe-gpt", *HYBRID, "--ep-size", "4", "--nproc", "2"],
+        "--ep-size 4 must divide the data-parallel size 2",
+    ),
+    (
+        ["--model", "moe-gpt", "--preset", "moe-tiny", *HYBRID, "--ep-size", "8", "--nproc", "8", "--batch-size", "8"],
+        "MoE GPT moe-tiny: num_experts 4 must be divisible by --ep-size 8",
+    ),
+    (
+        ["--model", "moe-gpt", *HYBRID, "--ep-size", "2", "--sp-size", "2", "--nproc", "4"],
+        "ep_size=2 composes with data parallelism",
+    ),
+    (["--model", "moe-gpt", "--preset", "tiny"], "--preset tiny is not a --model moe-gpt preset"),
+    (["--preset", "moe-tiny"], "--preset moe-tiny is not a --model gpt preset"),
+    (
+        [*HYBRID, "--pp-size", "4", "--nproc", "4", "--preset", "tiny"],
+        "GPT tiny: n_layer 2 must be divisible by --pp-size x --pp-virtual 4 x 1 (= 4)",
+    ),
+    (
+        [*HYBRID, "--pp-size", "2", "--microbatches", "3", "--nproc", "2"],
+        "batch per data-parallel rank 16 must be divisible by --microbatches (= 3)",
+    ),
 ]
 
 
@@ -119,6 +143,8 @@ def test_good_layouts_pass():
         ["--plugin", "hybrid", "--tp-size", "2", "--sp-size", "2", "--sp-kind", "all_to_all", "--nproc", "8"],
         ["--plugin", "zero", "--zero-stage", "3", "--offload", "--nproc", "2"],
         ["--plugin", "gemini", "--device-budget", "2.5MiB", "--placement", "static"],
+        ["--model", "moe-gpt", "--plugin", "hybrid", "--ep-size", "2", "--nproc", "4"],
+        ["--plugin", "hybrid", "--pp-size", "2", "--microbatches", "4", "--nproc", "2"],
     ):
         args = parser.parse_args(["train", *argv])
         validate.validate_train(args)  # no UsageError

@@ -281,7 +281,7 @@ def test_cli_options_for_palm():
     validate.validate_train(args)  # the default preset becomes palm-mini
     for argv, message in (
         (["--preset", "tiny"], "--preset tiny is not a --model palm preset"),
-        (["--plugin", "hybrid", "--nproc", "2"], "--plugin hybrid splits --model gpt only"),
+        (["--plugin", "hybrid", "--nproc", "2"], "--plugin hybrid splits --model gpt and moe-gpt only"),
     ):
         with pytest.raises(validate.UsageError, match=message):
             validate.validate_train(parser.parse_args(["train", "--model", "palm", *argv]))

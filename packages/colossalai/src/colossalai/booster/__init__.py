@@ -1,6 +1,6 @@
 """Booster and plugins."""
 
-from colossalai.booster.booster import Booster, RunState
+from colossalai.booster.booster import Booster, MoEAuxLoss, RunState
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
 from colossalai.booster.gemini_plugin import GeminiPlugin
@@ -12,6 +12,7 @@ from colossalai.booster.zero_plugin import ZeroPlugin
 
 __all__ = [
     "Booster",
+    "MoEAuxLoss",
     "RunState",
     "Plugin",
     "TorchDDPPlugin",

@@ -8,6 +8,17 @@ for x, y in dataloader:
     booster.backward(loss, optimizer)      # instead of loss.backward()
     optimizer.step(); optimizer.zero_grad()
 ```
+
+[Note: MoE auxiliary losses]
+A model with ``colossal.moe.MoE`` layers (``colossalai.models.build_moe_gpt``, or a user's model
+holding them) keeps each layer's weighted load-balancing and z-loss from its last forward. With
+``Booster(moe_aux_loss=True)`` (the default) ``boost`` returns the criterion wrapped in
+:class:`MoEAuxLoss` (``criterion(out, y) + colossal.moe.moe_aux_loss(model)``) and
+``execute_pipeline`` wraps whatever criterion it is given the same way (never twice), so the
+training loss includes them under every plugin. ``moe_aux_loss=False``: the criterion is left as
+it is and the user adds ``model.unwrap().aux_loss()`` (or ``moe_aux_loss``) to the loss. Not yet
+with pipeline parallelism (the last stage's criterion does not see the other stages' layers):
+``boost`` raises ``NotImplementedError`` unless ``moe_aux_loss=False``.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from colossalai.checkpoint import (
 )
 from colossalai.checkpoint.integrity import load_file_checked
 
-__all__ = ["Booster", "RunState"]
+__all__ = ["Booster", "MoEAuxLoss", "RunState"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -57,12 +68,37 @@ class RunState:
     """Whatever the caller stored (config, metrics, ...)."""
 
 
+def _has_moe(model: nn.Module) -> bool:
+    from colossal.moe import moe_layers
+
+    return bool(moe_layers(model))
+
+
+class MoEAuxLoss:
+    """``criterion(*args) + colossal.moe.moe_aux_loss(model)``: the task loss plus the weighted
+    auxiliary losses of the model's MoE layers from the last forward (``[Note: MoE auxiliary losses]``)."""
+
+    def __init__(self, criterion, model: nn.Module) -> None:
+        self.criterion, self.model = criterion, model
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """The criterion's loss plus the auxiliary losses (none before the first forward)."""
+        from colossal.moe import moe_aux_loss
+
+        loss = self.criterion(*args, **kwargs)
+        aux = moe_aux_loss(self.model)
+        return loss if aux is None else loss + aux.to(loss.dtype)
+
+
 class Booster:
     """Applies a plugin (parallel layout) and a mixed-precision mode to a training setup.
 
     ``checkpoint_timeout``: seconds every save/load waits for all ranks to call it before it raises
     a :class:`~colossalai.checkpoint.CheckpointError` naming the ranks that did not ([Note: the
     arrival check] in :mod:`colossalai.checkpoint.guard`).
+
+    ``moe_aux_loss``: add the MoE layers' auxiliary losses to the criterion's loss (see
+    ``[Note: MoE auxiliary losses]``); ignored for a model without MoE layers.
     """
 
     def __init__(
@@ -71,7 +107,12 @@ class Booster:
         mixed_precision: str | Precision | None = None,
         *,
         checkpoint_timeout: float = DEFAULT_ARRIVAL_TIMEOUT,
+        moe_aux_loss: bool = True,
     ) -> None:
+        if not isinstance(moe_aux_loss, bool):
+            raise TypeError(f"moe_aux_loss must be a bool, got {moe_aux_loss!r}")
+        self.moe_aux_loss = moe_aux_loss
+        self._moe_model: nn.Module | None = None  # the user's model when its aux losses are added
         if checkpoint_timeout <= 0:
             raise ValueError(f"checkpoint_timeout must be a positive number of seconds, got {checkpoint_timeout}")
         self.checkpoint_timeout = float(checkpoint_timeout)
@@ -92,9 +133,17 @@ class Booster:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if self.moe_aux_loss and getattr(self.plugin, "pp_size", 1) > 1 and _has_moe(model):
+            raise NotImplementedError(
+                f"{self.plugin!r}: the MoE auxiliary losses are not added under pipeline parallelism yet; "
+                "pass Booster(moe_aux_loss=False) and add them yourself, or use pp_size=1"
+            )
         with torch.profiler.record_function("colossalai.booster::configure"):
             wrapped, optimizer = self.plugin.configure(model, optimizer, self.precision)
         original = self.plugin.unwrap(wrapped)
+        if self.moe_aux_loss and _has_moe(original):
+            self._moe_model = original
+            criterion = MoEAuxLoss(criterion, original) if criterion is not None else None
         # A plugin whose engine casts and scales itself gets no autocast and no loss scaler here.
         precision = Precision.FP32 if self.plugin.handles_precision else self.precision
         boosted_model = BoostedModel(wrapped, original, precision, self.plugin.device)
@@ -120,8 +169,11 @@ class Booster:
         """One forward and backward of ``batch = (x, y)``: ``criterion(model(x), y)`` then
         :meth:`backward`, or, with a pipeline-parallel plugin (``pp_size > 1``), all micro-batches
         through the pipeline schedule. Returns the (detached) loss; the caller then clips and
-        steps as usual. Works with every plugin, so one training loop serves all of them."""
+        steps as usual. Works with every plugin, so one training loop serves all of them.
+        The loss includes the MoE auxiliary losses (``[Note: MoE auxiliary losses]``)."""
         x, y = batch
+        if self._moe_model is not None and not isinstance(criterion, MoEAuxLoss):
+            criterion = MoEAuxLoss(criterion, self._moe_model)
         if getattr(self.plugin, "pp_size", 1) > 1:
             return self.plugin.execute_pipeline(model.module, x, y, criterion)
         loss = criterion(model(x), y)

@@ -14,12 +14,13 @@ from colossalai.cli.meters import Meters, format_bytes
 __all__ = ["TrainProgress", "summary_table"]
 
 
-def _status(step: int, total: int, loss: float, meters: Meters) -> str:
+def _status(step: int, total: int, loss: float, meters: Meters, extra: str = "") -> str:
     mem = " ".join(f"{tier}={format_bytes(b)}" for tier, b in meters.memory().items())
-    return (
+    line = (
         f"step {step}/{total} loss {loss:.6f} tok/s {meters.tokens_per_s():,.0f} "
         f"mem[{mem}] comm {format_bytes(meters.communicated())} tier-moves {format_bytes(meters.tier_moved())}"
     )
+    return f"{line} {extra}" if extra else line
 
 
 class TrainProgress:
@@ -50,11 +51,12 @@ class TrainProgress:
             self.task = self.bar.add_task("train", total=total, completed=start, status="")
             self.bar.start()
 
-    def update(self, step: int, loss: float, meters: Meters) -> None:
-        """Report the state after optimizer step ``step`` (1-based)."""
+    def update(self, step: int, loss: float, meters: Meters, extra: str = "") -> None:
+        """Report the state after optimizer step ``step`` (1-based); ``extra`` is appended to the
+        line (the MoE drop rate and expert load balance)."""
         if not self.enabled:
             return
-        status = _status(step, self.total, loss, meters)
+        status = _status(step, self.total, loss, meters, extra)
         if self.rich:
             self.bar.update(self.task, completed=step, status=status)
         elif step % self.log_every == 0 or step == self.total or step == self._start + 1:

@@ -56,7 +56,9 @@ def _plugin(args: argparse.Namespace):
         "gemini": dict(placement=args.placement, device_memory_budget=_device_budget(args)),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
         "hybrid": dict(
-            tp_size=args.tp_size if args.tp_size is not None else (2 if args.sp_size == args.pp_size == 1 else 1),
+            tp_size=args.tp_size
+            if args.tp_size is not None
+            else (2 if args.sp_size == args.pp_size == args.ep_size == 1 else 1),
             tp_mode=args.tp_mode,
             tp_depth=args.tp_depth,
             sp_size=args.sp_size,
@@ -65,6 +67,7 @@ def _plugin(args: argparse.Namespace):
             num_microbatches=args.microbatches,
             pp_schedule=args.pp_schedule,
             pp_virtual=args.pp_virtual,
+            ep_size=args.ep_size,
         ),
     }
     foreign = {"--device-budget": budget is not None, "--offload": args.offload, "--zero-stage": args.zero_stage != 2}
@@ -127,6 +130,26 @@ def _mean_loss(loss: torch.Tensor, booster: Booster) -> float:
         dist.all_reduce(value, group=getattr(booster.plugin, "dp_group", None))
         value /= booster.plugin.dp_size()
     return value.item()
+
+
+def _moe_status(model, booster: Booster) -> str:
+    """``drop 1.2% balance 1.31``: the share of tokens whose every expert assignment was dropped
+    (over the MoE layers and the data-parallel ranks) and the expert load balance (busiest
+    expert's kept assignments over the mean, the worst layer) of the last forward; ``""`` for a
+    model without MoE layers. Collective over the data-parallel group (every rank calls it)."""
+    stats_of = getattr(model.unwrap(), "moe_stats", None)
+    stats = stats_of() if stats_of is not None else []
+    if not stats:
+        return ""
+    counts = torch.stack([s.expert_counts.detach().float().cpu() for s in stats])  # (layers, E)
+    dropped = torch.tensor([[float(s.tokens_dropped), float(s.tokens)] for s in stats]).sum(0)
+    flat = torch.cat([counts.flatten(), dropped]).to(booster.plugin.device)
+    if dist.is_initialized() and booster.plugin.dp_size() > 1:
+        dist.all_reduce(flat, group=getattr(booster.plugin, "dp_group", None))
+    flat = flat.cpu()
+    counts, (n_dropped, n_tokens) = flat[: counts.numel()].view_as(counts), flat[counts.numel() :].tolist()
+    balance = (counts.max(1).values / counts.mean(1).clamp_min(1e-12)).max().item()
+    return f"drop {100 * n_dropped / max(n_tokens, 1):.1f}% balance {balance:.2f}"
 
 
 def _profiler(args, model, optim, tokens_per_step: int):
@@ -195,7 +218,7 @@ def _loop(args, booster, model, optim, loader, sched, state, seq_len, rank):
                 meters.tokens += args.batch_size * seq_len
                 first = loss if first is None else first
                 last = loss
-                progress.update(state.step, loss, meters)
+                progress.update(state.step, loss, meters, _moe_status(model, booster))
                 logger.log(state.step, loss, sched.get_last_lr()[0], meters)
                 if prof is not None:
                     prof.step()

@@ -23,7 +23,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         default=None,
         choices=presets,
-        help="model size (default mini / palm-mini, ~1M parameters)",
+        help="model size (default: the family's mini preset, ~1M parameters)",
     )
     p.add_argument("--nproc", type=int, default=1, help="processes on this host (relaunches through torchrun)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="mixed precision")
@@ -65,6 +65,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline schedule",
     )
     p.add_argument("--pp-virtual", type=int, default=1, help="chunks per pipeline rank (hybrid, interleaved)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel degree (hybrid, --model moe-gpt)")
     p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimizer states on the CPU (zero)")
     p.add_argument("--save-dir", default=None, help="checkpoint root (step-N folders + 'latest')")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")

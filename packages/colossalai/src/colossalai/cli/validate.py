@@ -10,7 +10,11 @@ Ranges of the plain numbers; paths; plugin-only flags given to another plugin; t
 constructor checks and precisions; the parallel degrees against the world size; the global batch
 against the data-parallel size; the corpus against one global batch; the GPT's shape against the
 tensor/sequence-parallel split (the divisibilities ``colossal.tensor_parallel`` checks at
-conversion time, restated here for the built-in GPT); the processes against the cores (a warning)
+conversion time, restated here for the built-in GPT), against the pipeline (``n_layer`` divisible
+by ``pp_size * pp_virtual`` for the uniform partition, the batch per data-parallel rank by
+``--microbatches``, which ``interleaved`` needs divisible by ``pp_size``) and, for
+``--model moe-gpt``, against the expert split (``--ep-size`` dividing the data-parallel size and
+every MoE layer's experts; ep composes with dp only); the processes against the cores (a warning)
 and the GPUs (an error).
 """
 
@@ -43,6 +47,7 @@ PLUGIN_FLAGS: dict[str, tuple[str, ...]] = {
         "microbatches",
         "pp_schedule",
         "pp_virtual",
+        "ep_size",
     ),
 }
 """Plugin -> the ``train`` options (argparse ``dest``) that only it reads."""
@@ -173,6 +178,34 @@ def _split_rules(config, plugin, per_rank_batch: int, seq_len: int) -> list[tupl
     return rules + [(per_rank_batch, rows, "batch per data-parallel rank", f"the {mode} batch blocks {rows}")]
 
 
+def _pipeline_rules(config, plugin, per_rank_batch: int) -> list[tuple[int, int, str, str]]:
+    """``(value, divisor, what, by_what)`` the pipeline split needs (uniform partition)."""
+    pp, virtual = getattr(plugin, "pp_size", 1), getattr(plugin, "pp_virtual", 1)
+    if pp == 1:
+        return []
+    m = plugin.num_microbatches
+    rules = [(config.n_layer, pp * virtual, "n_layer", f"--pp-size x --pp-virtual {pp} x {virtual}")]
+    rules.append((per_rank_batch, m, "batch per data-parallel rank", "--microbatches"))
+    if plugin.pp_schedule == "interleaved":
+        rules.append((m, pp, "--microbatches", "--pp-size for --pp-schedule interleaved"))
+    return rules
+
+
+def _check_moe(args: argparse.Namespace, config, plugin, dp: int, name: str) -> None:
+    """``--ep-size`` against the model and the data-parallel size (what ``check_ep`` checks)."""
+    ep = getattr(plugin, "ep_size", 1)
+    if args.model != "moe-gpt":
+        if ep > 1:
+            raise UsageError(f"--ep-size {ep} needs a model with experts (--model moe-gpt), got --model {args.model}")
+        return
+    if getattr(plugin, "pp_size", 1) > 1:
+        raise UsageError("--model moe-gpt does not run under pipeline parallelism yet (--pp-size 1)")
+    if dp % ep:
+        raise UsageError(f"--ep-size {ep} must divide the data-parallel size {dp}")
+    if config.num_experts % ep:
+        raise UsageError(f"{name}: num_experts {config.num_experts} must be divisible by --ep-size {ep}")
+
+
 def _check_family(args: argparse.Namespace) -> None:
     """``--preset`` belongs to ``--model`` (checked before the plugin is built: the default Gemini
     budget is sized from the preset)."""
@@ -190,17 +223,22 @@ def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
     from colossalai.models import model_family
 
     family = model_family(args.model)
-    if args.model != "gpt" and args.plugin == "hybrid":  # its built-in tensor/sequence-parallel plan is the GPT's
+    if args.model == "palm" and args.plugin == "hybrid":  # its built-in tensor/sequence-parallel plan is the GPT's
         raise UsageError(
-            f"--plugin hybrid splits --model gpt only; train --model {args.model} with ddp, fsdp, zero or gemini"
+            f"--plugin hybrid splits --model gpt and moe-gpt only; "
+            f"train --model {args.model} with ddp, fsdp, zero or gemini"
         )
     preset = family.preset(args.preset)
     config = family.config(preset)
     seq_len = args.seq_len or config.block_size
     _check_corpus(args, seq_len)
-    for value, by, what, by_what in _split_rules(config, plugin, args.batch_size // dp, seq_len):
+    per_rank = args.batch_size // dp
+    for value, by, what, by_what in _split_rules(config, plugin, per_rank, seq_len) + _pipeline_rules(
+        config, plugin, per_rank
+    ):
         if value % by:
             raise UsageError(f"{family.label} {preset}: {what} {value} must be divisible by {by_what} (= {by})")
+    _check_moe(args, config, plugin, dp, f"{family.label} {preset}")
 
 
 def _check_processes(nproc: int) -> list[str]:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from colossalai.models.moe_gpt import MOE_PRESETS, build_moe_gpt, moe_gpt_config
 from colossalai.models.palm import PALM_PRESETS, build_palm, palm_config
 from colossalai.models.presets import PRESETS, build_gpt, gpt_config
 
@@ -41,6 +42,9 @@ MODELS: dict[str, ModelFamily] = {
     "gpt": ModelFamily(label="GPT", presets=PRESETS, default_preset="mini", config=gpt_config, build=build_gpt),
     "palm": ModelFamily(
         label="PaLM", presets=PALM_PRESETS, default_preset="palm-mini", config=palm_config, build=build_palm
+    ),
+    "moe-gpt": ModelFamily(
+        label="MoE GPT", presets=MOE_PRESETS, default_preset="moe-mini", config=moe_gpt_config, build=build_moe_gpt
     ),
 }
 """CLI name -> :class:`ModelFamily`."""

@@ -2,39 +2,39 @@
 reduce expert gradients over their own group, and keep checkpoints in dense form.
 
 This is the colossalai-side piece that ``HybridParallelPlugin(ep_size=...)`` composes with DDP
-or ZeRO (see ``[Note: hooking expert parallelism into the hybrid plugin]``); it works on its own
-in a user's loop too::
+or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
+``HybridParallelPlugin(ep_size=E)`` composes this module with DDP and 1D tensor parallelism:
 
-    ep = apply_expert_parallel(model, ep_size=2)          # every rank, after building the model
-    ddp = DDP(model, process_group=ep.groups.dp)          # expert params were marked as ignored
-    loss = criterion(ddp(x), y) + model.aux_loss()
-    loss.backward()
-    ep.reduce_expert_gradients(model)                      # experts: sum over edp / dp size
-    optimizer.step()
-    state = ep.full_state_dict(model)                      # every expert under its dense name
-
-[Note: hooking expert parallelism into the hybrid plugin]
-1. Mesh: split the plugin's ``dp`` axis into ``("edp", dp // ep)`` and ``("ep", ep)`` (ep inner,
-   so an ep group is consecutive ranks); the dense data-parallel group becomes
-   ``mesh.product_group("edp", "ep")``. Pass that group as ``dp_group`` here.
-2. ``configure``: after tensor/sequence parallel conversion and before DDP/ZeRO, call
-   :func:`apply_expert_parallel` (it swaps each ``MoE`` for its local slice in place).
-3. DDP: call ``DDP._set_params_and_buffers_to_ignore_for_model(model, ep.expert_param_names)``
-   before wrapping (this function already does), so DDP averages dense gradients only; the
-   plugin's optimizer wrapper calls ``ep.reduce_expert_gradients(model)`` before ``step``.
-   ZeRO 1/2: give the engine the dense parameters over ``dp`` and a second engine the expert
-   parameters over ``edp`` (with gradients pre-divided by ``ep``, as here).
-4. State: ``model_state_dict``/``load_model_state_dict`` route expert names through
-   :meth:`ExpertParallel.to_portable` / :meth:`ExpertParallel.to_local` (the same way tp
-   names go through the shard index), so a checkpoint holds every expert under its dense name
-   and loads with any ``ep`` or any other plugin.
-5. The Booster adds ``model.aux_loss()`` to the criterion's loss when the model has MoE layers
-   (switchable), and the CLI reads ``model.moe_stats()`` for the progress line.
+1. Groups: the plugin's ``dp`` group (``D`` ranks) is split into ``edp x ep`` with ``ep`` inner:
+   each run of ``E`` consecutive dp ranks shares out the experts (the ``ep`` group), the ranks
+   ``E`` apart hold the same experts (the ``edp`` group, ``D / E`` ranks); dense parameters still
+   reduce over all of ``dp`` (``colossal.moe.expert_groups`` on the dp group). Checked before any
+   group is made (:func:`check_ep`): ``E`` divides ``D``, the model has MoE layers, each layer's
+   expert count is divisible by ``E``.
+2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
+   every tp rank of a dp rank holds the same experts and routes the same tokens; sp, pp and
+   2D/2.5D/3D tp raise ``NotImplementedError``) and before DDP, :func:`apply_expert_parallel` swaps
+   each ``MoE`` for its local slice in place, then the optimizer is rebound by name.
+3. DDP ignores the expert parameters (under the wrapped module's names), so it averages dense
+   gradients only; :class:`ExpertParallelOptimizer` calls :meth:`ExpertParallel.reduce_expert_gradients`
+   once per step, before clipping and ``step``, and clips by the norm of the dense model (the
+   non-expert gradients counted over tp as without ep, expert gradients summed over ``ep``).
+   Gradient accumulation under ``no_sync`` keeps working: the expert reduction waits for ``step``.
+4. State: the plugin's ``_to_portable`` / ``_to_local`` route expert names through
+   :meth:`ExpertParallel.to_portable` / :meth:`ExpertParallel.to_local` (before the tensor-parallel
+   routing), so model and optimizer checkpoints hold every expert under its dense name and load
+   with any ``ep`` or in any other plugin.
+5. ZeRO 1/2 is refused with ep: ``colossal.zero.ZeroOptimizer`` takes one group, and its
+   reduce-scatter would average the expert gradients over all of ``dp`` (ranks holding different
+   experts), which is wrong; sharding expert states over ``edp`` needs a second engine.
+6. The Booster adds ``model.aux_loss()`` to the criterion's loss (``Booster(moe_aux_loss=True)``,
+   the default), whichever plugin runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossal.comm import all_gather, all_reduce
 from colossal.moe import ExpertGroups, MoE, expert_groups, moe_layers
+from colossalai.booster.hybrid.shards import TensorParallelOptimizer
 
-__all__ = ["ExpertParallel", "apply_expert_parallel"]
+__all__ = ["ExpertParallel", "ExpertParallelOptimizer", "apply_expert_parallel", "check_ep"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -118,29 +119,106 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def apply_expert_parallel(model: nn.Module, ep_size: int, dp_group: ProcessGroup | None = None) -> ExpertParallel:
-    """Split every ``colossal.moe.MoE`` of ``model`` over ``ep_size`` ranks, in place.
-
-    Each layer must hold all its experts (built with no ``ep_group``); rank ``r`` of its ep group
-    keeps experts ``r * E/ep .. (r+1) * E/ep - 1`` (:meth:`MoE.from_dense`). Validates every layer
-    and the sizes before creating any group, identically on every rank. Marks the expert
-    parameters for DDP to ignore. Call on every rank of ``dp_group`` (default: the world).
-    """
-    dp_size = dist.get_world_size(dp_group)
+def check_ep(model: nn.Module, ep_size: int, dp_size: int) -> dict[str, MoE]:
+    """The model's MoE layers, once ``ep_size`` is checked against them and against the
+    data-parallel size; raises ``ValueError`` naming the bad values. Local: no collective."""
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1 or dp_size % ep_size:
         raise ValueError(f"ep_size={ep_size!r} must be a positive int dividing the data-parallel size {dp_size}")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
     if not layers:
-        raise ValueError("apply_expert_parallel: the model has no colossal.moe.MoE layer")
+        raise ValueError(f"ep_size={ep_size}: the model has no colossal.moe.MoE layer to split over experts")
     for n, m in layers.items():
         if m.ep_size != 1:
             raise ValueError(f"{n} is already split over ep={m.ep_size}; build the model with all experts")
         if m.config.num_experts % ep_size:
             raise ValueError(f"{n}: num_experts={m.config.num_experts} is not divisible by ep_size={ep_size}")
+    return layers
+
+
+def apply_expert_parallel(
+    model: nn.Module, ep_size: int, dp_group: ProcessGroup | None = None, ddp_root: nn.Module | None = None
+) -> ExpertParallel:
+    """Split every ``colossal.moe.MoE`` of ``model`` over ``ep_size`` ranks, in place.
+
+    Each layer must hold all its experts (built with no ``ep_group``); rank ``r`` of its ep group
+    keeps experts ``r * E/ep .. (r+1) * E/ep - 1`` (:meth:`MoE.from_dense`). Validates every layer
+    and the sizes before creating any group, identically on every rank (:func:`check_ep`). Marks
+    the expert parameters for DDP to ignore, under their names in ``ddp_root`` (the module DDP
+    will wrap, which contains ``model``; default ``model`` itself). Call on every rank of the world
+    (group creation is collective), each with its own ``dp_group`` (default: the world).
+    """
+    layers = check_ep(model, ep_size, dist.get_world_size(dp_group))
     groups = expert_groups(ep_size, dp_group)
     shapes = {f"{n}.experts.{p}": t.shape for n, m in layers.items() for p, t in m.experts.named_parameters()}
     for n, m in layers.items():
         _replace(model, n, MoE.from_dense(m, groups.ep))
     assert len(moe_layers(model)) == len(layers)
-    DDP._set_params_and_buffers_to_ignore_for_model(model, list(shapes))
+    root = model if ddp_root is None else ddp_root
+    experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
+    DDP._set_params_and_buffers_to_ignore_for_model(root, [n for n, p in root.named_parameters() if id(p) in experts])
     return ExpertParallel(groups=groups, dense_shapes=shapes)
+
+
+class ExpertParallelOptimizer(TensorParallelOptimizer):
+    """The hybrid plugin's optimizer under expert parallelism: expert gradients are reduced over
+    ``edp`` once per step (before clipping and ``step``). Clipping uses the norm of the dense
+    model: the non-expert gradients as the tensor-parallel optimizer counts them (``replicas``,
+    over ``group``, the tp group) combined with the expert gradients summed over ``ep`` (experts
+    are replicated on the tp ranks, split over ep). fp16's overflow check spans every rank."""
+
+    def __init__(self, optimizer, model: nn.Module, ep: ExpertParallel, replicas, group, group_size: int, scaler=None):
+        experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
+        super().__init__(optimizer, [(p, m) for p, m in replicas if id(p) not in experts], group, group_size, scaler)
+        self.experts = [p for p in model.parameters() if id(p) in experts]
+        self.ep, self.model, self._reduced = ep, model, False
+
+    def _reduce_experts(self) -> None:
+        if not self._reduced:
+            self.ep.reduce_expert_gradients(self.model)
+            self._reduced = True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Reduce the expert gradients, then clip every gradient by the norm of the dense model's."""
+        import math
+
+        from colossal.optim import grad_norm
+
+        self._reduce_experts()
+        self._unscale()
+        p = float(norm_type)
+        sharded, replicated = self._split(p)
+        dense = grad_norm(sharded, p, group=self.tp_group, replicated=replicated)
+        expert = grad_norm([e.grad for e in self.experts if e.grad is not None], p, group=self.ep.groups.ep)
+        expert = expert.to(dense.device)
+        total = torch.maximum(dense, expert) if p == math.inf else (dense**p + expert**p) ** (1.0 / p)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in [q for q, _ in self.replicas] + self.experts:
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.device))
+        return total
+
+    def step(self, *args, **kwargs) -> None:
+        """Reduce the expert gradients (unless ``clip_grad_norm`` did), then step (fp16: skipped on
+        every rank when any rank's gradients overflowed)."""
+        self._reduce_experts()
+        try:
+            if self.scaler is None:
+                return super().step(*args, **kwargs)
+            from colossal.comm import all_reduce
+            from colossal.optim import has_inf_or_nan
+
+            self._unscale()
+            reduce = functools.partial(all_reduce, tag="hybrid.ep.overflow")
+            found_inf = has_inf_or_nan(self._grads(), None, all_reduce=reduce)
+            self.scaler.update(found_inf)
+            self.last_step_skipped = found_inf
+            if not found_inf:
+                self.optim.step(*args, **kwargs)
+            self._unscaled = False
+        finally:
+            self._reduced = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (a new step's expert gradients are not reduced yet)."""
+        self._reduced = False
+        super().zero_grad(set_to_none)

@@ -13,8 +13,9 @@ averaged over ``dp`` (times ``sp``) by DDP.
 [Note: the order of the axes]
 ``configure`` applies the axes in one order: materialise, tensor parallel (:mod:`.tp` layers
 convert the dense modules), sequence parallel (wraps the converted model), pipeline parallel
-(:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), then
-data parallel last (DDP or ZeRO wrap exactly the parameters this rank keeps).
+(:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), expert
+parallel (:mod:`.ep` swaps each MoE layer for this rank's experts, before the optimizer is rebound
+by name), then data parallel last (DDP or ZeRO wrap exactly the parameters this rank keeps).
 
 [Note: tensor-parallel state in checkpoints]
 A 1D-parallel parameter is an even split, in rank order, of the dense parameter along one
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.hybrid.dp import apply_ddp, dp_group
+from colossalai.booster.hybrid.ep import ExpertParallel, ExpertParallelOptimizer, apply_expert_parallel, check_ep
 from colossalai.booster.hybrid.pp import (
     SCHEDULES,
     PipelineModule,
@@ -89,8 +91,15 @@ class HybridParallelPlugin(Plugin):
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
+    ``HybridParallelPlugin(tp_size=1, ep_size=2)`` (or ``tp_size=2``, 1D): expert parallelism for a model with
+    ``colossal.moe.MoE`` layers (e.g. ``build_moe_gpt``): the dp axis is split into ``edp x ep``
+    (``ep`` consecutive ranks share out each layer's experts; ``[Note: expert parallelism in the
+    hybrid plugin]`` in :mod:`colossalai.booster.hybrid.ep`), dense parameters reduce over dp with
+    DDP, expert gradients over ``edp`` before ``step``; checkpoints hold every expert under its
+    dense name.
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
-    Booster refuses it when built).
+    Booster refuses it when built); ``ep_size > 1`` with ``sp_size`` or ``pp_size`` above 1, with a
+    ``tp_mode`` other than 1d, or with ``zero_stage`` 1/2 (ep composes with DDP-style dp and 1D tp).
     """
 
     name = "hybrid"
@@ -108,8 +117,10 @@ class HybridParallelPlugin(Plugin):
         num_microbatches: int | None = None,
         pp_schedule: str = "1f1b",
         pp_virtual: int = 1,
+        ep_size: int = 1,
     ) -> None:
         sizes = (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size), ("pp_size", pp_size))
+        sizes += (("ep_size", ep_size),)
         sizes += (("pp_virtual", pp_virtual), ("num_microbatches", num_microbatches or 1))
         for arg, value in sizes:
             if not isinstance(value, int) or value < 1:
@@ -125,6 +136,17 @@ class HybridParallelPlugin(Plugin):
         if pp_size > 1 and sp_size > 1:
             raise NotImplementedError(f"pp_size > 1 composes with tp and dp, not yet with sp (got sp_size={sp_size})")
         check_layout(tp_size, tp_mode, tp_depth)
+        if ep_size > 1:
+            others = {"sp_size": sp_size, "pp_size": pp_size, "zero_stage": zero_stage}
+            bad = {k: v for k, v in others.items() if v != (0 if k == "zero_stage" else 1)}
+            bad |= {"tp_mode": repr(tp_mode)} if tp_size > 1 and tp_mode != "1d" else {}
+            if bad:
+                raise NotImplementedError(
+                    f"ep_size={ep_size} composes with data parallelism (DDP) and 1D tensor parallelism only "
+                    f"(sp_size=1, pp_size=1, zero_stage=0), got {', '.join(f'{k}={v}' for k, v in bad.items())}"
+                )
+        self.ep_size = ep_size
+        self._ep: ExpertParallel | None = None  # what apply_expert_parallel did (ep_size > 1)
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
         self.num_microbatches = num_microbatches or pp_size
@@ -179,6 +201,8 @@ class HybridParallelPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer, precision):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
+        if self.ep_size > 1:  # before any collective (the mesh creates groups)
+            check_ep(model, self.ep_size, self.dp_size())
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)
@@ -196,11 +220,13 @@ class HybridParallelPlugin(Plugin):
                     virtual=self.pp_virtual, gather=getattr(wrapped, "gather", None), device=self.device,
                 )  # fmt: skip
                 wrapped = PipelineModule(model, self._pipe)
+            if self.ep_size > 1:  # 4. ep swaps each MoE for this rank's experts (before the optimizer rebinds)
+                self._ep = apply_expert_parallel(model, self.ep_size, dp_group(mesh, self.sp_size), wrapped)
         rebind_optimizer(optimizer, names, model)
         if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if not p.is_meta]
-        # 4. dp last, over exactly the parameters this rank keeps: ZeRO, or DDP (pp: an average per step)
+        # 5. dp last, over exactly the parameters this rank keeps: ZeRO, or DDP (pp: an average per step)
         group = dp_group(mesh, self.sp_size)
         if self.zero_stage:
             return wrapped, self._zero_optimizer(model, optimizer, group)
@@ -216,9 +242,14 @@ class HybridParallelPlugin(Plugin):
             norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
             self._scaler = _fp16_scaler() if precision is Precision.FP16 else None  # scales inside the pipeline
             return PipelineOptimizer(optimizer, replicas, norm_group, self._scaler)
-        axis, size = self._inner
-        replicas = [(p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters()]
         scaler = _fp16_scaler() if precision is Precision.FP16 else None
+        axis, size = self._inner
+        experts = self._ep.dense_shapes if self._ep is not None else {}
+        replicas = [
+            (p, multiplicity(p, self._dense_shapes[n], size)) for n, p in model.named_parameters() if n not in experts
+        ]
+        if self._ep is not None:
+            return ExpertParallelOptimizer(optimizer, model, self._ep, replicas, mesh.group(axis), size, scaler)
         return TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
 
     def execute_pipeline(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion) -> torch.Tensor:
@@ -269,7 +300,10 @@ class HybridParallelPlugin(Plugin):
 
     # ---- state: dense names and logical shapes (see the module note) ----------------------------
     def _to_portable(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """1D: a tp DTensor; 2D/2.5D/3D: the gathered dense tensor; sequence parallel: as is."""
+        """1D: a tp DTensor; 2D/2.5D/3D: the gathered dense tensor; sequence parallel: as is;
+        an expert parameter (ep): gathered over ``ep`` to every expert."""
+        if self._ep is not None and name in self._ep.dense_shapes:
+            return self._ep.to_portable(name, local)
         if self._shards is not None:
             return self._shards.gather(name, local)
         if self.tp_size == 1 and self.sp_size > 1:  # replicated
@@ -280,6 +314,8 @@ class HybridParallelPlugin(Plugin):
         return DTensor.from_local(local, self.mesh.device_mesh["tp"], [placement], run_check=False)
 
     def _to_local(self, name: str, state: torch.Tensor) -> torch.Tensor:
+        if self._ep is not None and name in self._ep.dense_shapes:
+            return self._ep.to_local(name, state)
         if isinstance(state, DTensor):
             return state.to_local()
         return self._shards.split(name, state) if self._shards is not None else state
@@ -330,11 +366,13 @@ class HybridParallelPlugin(Plugin):
             sd = zero_optimizer_state(self._zero, self._zero_names)
         else:
             sd = super().optimizer_state_dict(self.unwrap(model), optimizer)
-        for name, entry in sd["state"].items():
-            for k, v in entry.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    entry[k] = self._to_portable(name, v.to(self.device))
-        return sd
+        portable = lambda n, v: self._to_portable(n, v.to(self.device)) if v.dim() > 0 else v  # noqa: E731
+        # new entry dicts: torch's state dict may share them with the live optimizer state
+        state = {
+            n: {k: portable(n, v) if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+            for n, e in sd["state"].items()
+        }
+        return {**sd, "state": state}
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
         """This rank's blocks of the loaded entries back into the optimizer."""
@@ -355,4 +393,5 @@ class HybridParallelPlugin(Plugin):
                 f"pp_size={self.pp_size}, num_microbatches={self.num_microbatches}, pp_schedule={self.pp_schedule!r}"
             ]
             parts += [f"pp_virtual={self.pp_virtual}"] if self.pp_virtual > 1 else []
+        parts += [f"ep_size={self.ep_size}"] if self.ep_size > 1 else []
         return f"HybridParallelPlugin({', '.join(parts)})"
