@@ -51,7 +51,7 @@ BAD_TRAIN = [
     (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     ([*HYBRID, "--ep-size", "2", "--nproc", "2"], "--ep-size 2 needs a model with experts (--model moe-gpt)"),
-    (["--ep-size", "2"], "--ep-size applies to --plugin hybrid, got --plugin ddp"),
+    (["--ep-size", "2"], "--ep-size applies to --plugin hybrid, got --plugin gemini"),
     (
         ["--model", "moe-gpt", *HYBRID, "--ep-size", "4", "--nproc", "2"],
         "--ep-size 4 must divide the data-parallel size 2",
@@ -72,7 +72,7 @@ BAD_TRAIN = [
     ),
     (
         [*HYBRID, "--pp-size", "2", "--microbatches", "3", "--nproc", "2"],
-        "batch per data-parallel rank 16 must be divisible by --microbatches (= 3)",
+        "batch per data-parallel rank 4 must be divisible by --microbatches (= 3)",
     ),
 ]
 
