@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from tp_testing import assert_close
 
 from colossal.comm import Mesh
 from colossal.comm.testing import run_distributed
 from colossal.tensor_parallel import Grid2D, cross_entropy_1d, cross_entropy_2d, split_input_2d, two_d
+from colossal.testkit import assert_close
 
 V, ROWS = 12, 10
 
