@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
     parser = _Parser(prog="colossalai", description="Colossal: train, launch, check.")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_arguments(sub.add_parser("train", help="train a GPT on the embedded corpus (the main job)"))
+    add_train_arguments(sub.add_parser("train", help="train a GPT, PaLM or MoE GPT on the embedded corpus"))
     run = sub.add_parser("run", help="launch a script on N processes of one or several hosts (torchrun)")
     run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=1, help="processes per host")
     run.add_argument("--hostfile", default=None, help="file of 'host [slots=N]' lines")
