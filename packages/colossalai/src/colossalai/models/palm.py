@@ -232,16 +232,9 @@ class PaLM(nn.Module):
             else:
                 p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
 
-    def materialize(self, device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> PaLM:
-        """Allocate meta parameters on ``device`` and initialise them; returns ``self``."""
-        self.to_empty(device=device)
-        self.tie_weights()
-        self.init_weights(generator)
-        return self
-
-    def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Switch activation checkpointing (recompute each block in backward) on or off."""
-        self.config.activation_checkpointing = bool(enabled)
+    # The same as the GPT's (they use only tie_weights, init_weights and config, which PaLM has).
+    materialize = GPT.materialize
+    set_activation_checkpointing = GPT.set_activation_checkpointing
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V)."""
