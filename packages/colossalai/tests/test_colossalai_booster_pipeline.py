@@ -34,8 +34,15 @@ LAYOUTS = [
     (4, dict(tp_size=2, pp_size=2, num_microbatches=2)),  # pp2 x tp2
     (4, dict(tp_size=1, pp_size=2, num_microbatches=2, zero_stage=1)),  # dp2 x pp2, ZeRO-1
     (8, dict(tp_size=2, pp_size=2, num_microbatches=2)),  # pp2 x dp2 x tp2
+    (4, dict(tp_size=1, sp_size=2, pp_size=2, num_microbatches=2)),  # pp2 x sp2 (ring)
+    (4, dict(tp_size=1, sp_size=2, sp_kind="all_to_all", pp_size=2, num_microbatches=4, pp_schedule="interleaved")),
+    (4, dict(tp_size=2, tp_mode="2.5d", tp_depth=2, pp_size=2, num_microbatches=2)),  # pp2 x 2.5D (q=1, d=2)
+    (8, dict(tp_size=4, tp_mode="2d", pp_size=2, num_microbatches=2)),  # pp2 x 2D (2 x 2 grid)
 ]
-IDS = ["pp2-1f1b", "pp2-zb", "dp2xpp2-gpipe", "pp2xtp2", "dp2xpp2-zero1", "pp2xdp2xtp2"]
+IDS = [
+    "pp2-1f1b", "pp2-zb", "dp2xpp2-gpipe", "pp2xtp2", "dp2xpp2-zero1", "pp2xdp2xtp2",
+    "pp2xsp2", "pp2xsp2-a2a-interleaved", "pp2xtp2-2.5d", "pp2xtp4-2d",
+]  # fmt: skip
 
 
 def _losses(kwargs):
@@ -116,8 +123,22 @@ def test_pipeline_fp16_tracks_fp32_and_skips_overflow_on_every_rank():
     assert len({r[2] for r in results}) == 1
 
 
+def _odd_sequence(kwargs):
+    booster, model, optim, loader = boosted_setup(HybridParallelPlugin(**kwargs))
+    x, y = next(iter(loader))
+    try:
+        booster.execute_pipeline((x[:, :-1], y[:, :-1]), model, criterion, optim)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_pipeline_x_sequence_refuses_an_indivisible_sequence_on_every_rank():
+    """A sequence length not divisible by sp raises ValueError on every rank, before any transfer."""
+    for msg in run_distributed(_odd_sequence, 4, dict(tp_size=1, sp_size=2, pp_size=2, num_microbatches=2)):
+        assert msg is not None and "divisible by sp_size=2" in msg and "31" in msg
+
+
 def test_pipeline_refuses_bad_layouts():
-    with pytest.raises(NotImplementedError, match="not yet with sp"):
-        HybridParallelPlugin(tp_size=1, sp_size=2, pp_size=2)
     with pytest.raises(ValueError, match="pp_schedule must be one of"):
         HybridParallelPlugin(pp_size=2, pp_schedule="dualpipe")

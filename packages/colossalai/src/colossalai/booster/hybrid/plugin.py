@@ -86,8 +86,8 @@ class HybridParallelPlugin(Plugin):
     chunk), data parallel across ``tp_size * sp_size`` ranks.
     ``HybridParallelPlugin(pp_size=2, num_microbatches=4, pp_schedule="1f1b", tp_size=2)``:
     pipeline parallel over ``pp_size`` stages (``colossal.pipeline``; ``pp_schedule`` gpipe, 1f1b,
-    interleaved with ``pp_virtual`` chunks per rank, zero_bubble), composed with tp and dp; steps
-    run through ``booster.execute_pipeline`` (not with sp yet).
+    interleaved with ``pp_virtual`` chunks per rank, zero_bubble), composed with tp (any mode), sp and
+    dp; steps run through ``booster.execute_pipeline``.
     ``zero_stage`` 1 or 2 shards optimizer states (and gradients) over the dp (x sp) group with
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
@@ -133,8 +133,6 @@ class HybridParallelPlugin(Plugin):
             raise NotImplementedError(f"HybridParallelPlugin supports zero_stage in {ZERO_STAGES}, got {zero_stage!r}")
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {pp_schedule!r}")
-        if pp_size > 1 and sp_size > 1:
-            raise NotImplementedError(f"pp_size > 1 composes with tp and dp, not yet with sp (got sp_size={sp_size})")
         check_layout(tp_size, tp_mode, tp_depth)
         if ep_size > 1:
             others = {"sp_size": sp_size, "pp_size": pp_size, "zero_stage": zero_stage}
@@ -209,15 +207,17 @@ class HybridParallelPlugin(Plugin):
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
         self._precision = precision
         with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
-            wrapped = model
+            wrapped, gather = model, None
             if self.tp_size > 1 or self.sp_size == self.pp_size == 1:  # 1. tp converts the dense layers
                 wrapped, self._shards = apply_tp(model, mesh, self.tp_mode, self.tp_depth)
+                gather = wrapped.gather
             if self.sp_size > 1:  # 2. sp: attention over sequence chunks, on the (tp) layers
                 wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes)
             if self.pp_size > 1:  # 3. pp cuts the converted model into this rank's stages
                 self._pipe = apply_pp(
                     model, mesh, num_microbatches=self.num_microbatches, schedule=self.pp_schedule,
-                    virtual=self.pp_virtual, gather=getattr(wrapped, "gather", None), device=self.device,
+                    virtual=self.pp_virtual, gather=gather, device=self.device,
+                    sp=mesh.group("sp") if self.sp_size > 1 else None,
                 )  # fmt: skip
                 wrapped = PipelineModule(model, self._pipe)
             if self.ep_size > 1:  # 4. ep swaps each MoE for this rank's experts (before the optimizer rebinds)
@@ -257,6 +257,11 @@ class HybridParallelPlugin(Plugin):
         over dp; returns the batch loss (the same on every rank of the pipeline)."""
         if self._pipe is None:
             raise RuntimeError("execute_pipeline needs a model boosted with pp_size > 1")
+        if self.sp_size > 1 and (x.dim() < 2 or x.shape[1] % self.sp_size):  # on every rank, before any transfer
+            raise ValueError(
+                f"sequence parallel needs the sequence length divisible by sp_size={self.sp_size}, "
+                f"got inputs of shape {tuple(x.shape)}"
+            )
         amp = self._precision is not None and self._precision is not Precision.FP32
         ctx = torch.autocast(self.device.type, dtype=self._precision.dtype) if amp else contextlib.nullcontext()
         if self._zero is not None:
@@ -269,7 +274,7 @@ class HybridParallelPlugin(Plugin):
         loss_fn = criterion if scaler is None else (lambda out, target: scaler.scale_loss(criterion(out, target)))
         with ctx:
             loss = self._pipe.step(x, y, loss_fn)
-        average_over_dp(list(self._pipe.parameters()), self.dp_group)
+        average_over_dp(list(self._pipe.parameters()), dp_group(self.mesh, self.sp_size))  # dp (x sp)
         return loss if scaler is None else loss / scaler.scale
 
     def _zero_optimizer(self, model: nn.Module, optimizer, group) -> HybridZeroOptimizer:

@@ -12,6 +12,16 @@ group as well as ``tp``; an element held by ``m`` ranks of that product group (r
 ``m`` tp ranks, or the tied embedding's two copies on the first and last stage) is weighted by
 ``m^(-1/p)``, so it counts once. dp replicas hold equal gradients after the average and are not
 summed.
+
+[Note: sequence x pipeline parallel]
+With ``sp_size > 1`` every rank still passes the whole ``(B, T)`` batch to the pipeline; the
+first stage embeds only its ``T/sp`` tokens (global positions through the converted position
+embedding), each stage's blocks run ring / all-to-all attention over the ``sp`` group of ranks at
+the same stage, and activations and gradients cross stages as ``(b, T/sp, C)``: the receive
+shapes are learnt from the first transfer's header (``[Note: shapes agreed once]`` in
+``colossal.pipeline.p2p``), so they are the local sequence's. The last stage gathers the logits
+over ``sp`` (gradient scaled by ``sp``, ``[Note: sequence-parallel gradients]``) so the user's
+criterion sees ``(b, T, V)``; the gradients are then averaged over ``dp x sp`` after the step.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import torch
 from torch import nn
 
 from colossalai.booster.hybrid.shards import multiplicity
+from colossalai.booster.hybrid.wrappers import gather_sequence_logits
 from colossalai.booster.wrappers import BoostedOptimizer
 
 __all__ = ["PipelineModule", "PipelineOptimizer", "apply_pp", "average_over_dp", "stage_view", "SCHEDULES"]
@@ -34,31 +45,47 @@ def _gpt_embed(m: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     return m.drop(m.wte(idx) + m.wpe(pos))
 
 
-def stage_fns(model: nn.Module, gather=None):
+def stage_fns(model: nn.Module, gather=None, sp_group=None):
     """``(embed, head)`` of the first and last stage: the GPT plan when the model has GPT's
     ``wte``/``wpe``/``drop``/``ln_f``/``lm_head``, else ``colossal.pipeline``'s defaults (the children
-    before / after the blocks, in order). ``gather`` (tensor parallel) gathers the split logits."""
+    before / after the blocks, in order). ``gather`` (tensor parallel) gathers the split logits;
+    with ``sp_group`` (sequence parallel) the first stage embeds this rank's ``T/sp`` tokens, so
+    every transfer between stages is ``(b, T/sp, C)``, and the last stage gathers the logits over
+    the sequence (``[Note: sequence x pipeline parallel]``)."""
     names = {n for n, _ in model.named_children()}
-    is_gpt = {"wte", "wpe", "drop", "ln_f", "lm_head"} <= names
-    embed = _gpt_embed if is_gpt else None
-    if is_gpt:
-        head = (lambda m, x: gather(m.lm_head(m.ln_f(x)))) if gather else (lambda m, x: m.lm_head(m.ln_f(x)))
+    if not {"wte", "wpe", "drop", "ln_f", "lm_head"} <= names:
+        if gather is not None or sp_group is not None:
+            raise NotImplementedError(
+                "pipeline x tensor / sequence parallel needs the GPT stage plan (wte, wpe, drop, ln_f, lm_head); "
+                f"{type(model).__name__} has {sorted(names)}"
+            )
+        return None, None
+    if sp_group is None:
+        embed = _gpt_embed
     else:
-        head = None
-        if gather is not None:
-            raise NotImplementedError("pipeline x tensor parallel needs the GPT stage plan (wte, wpe, ln_f, lm_head)")
+        from colossal.tensor_parallel import split_sequence
+
+        embed = lambda m, idx: _gpt_embed(m, split_sequence(idx, sp_group))  # noqa: E731  (B, T/sp, C)
+    sp_size = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
+
+    def head(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = m.lm_head(m.ln_f(x))  # (b, T/sp, V/tp) or a 2D/2.5D/3D block of it
+        out = gather(out) if gather is not None else out  # (b, T/sp, V)
+        return gather_sequence_logits(out, sp_group, sp_size) if sp_group is not None else out  # (b, T, V)
+
     return embed, head
 
 
-def apply_pp(model: nn.Module, mesh, *, num_microbatches: int, schedule: str, virtual: int, gather, device):
-    """Split ``model`` over the mesh's ``pp`` axis; returns the ``colossal.pipeline.PipelineParallel``."""
+def apply_pp(model: nn.Module, mesh, *, num_microbatches: int, schedule: str, virtual: int, gather, sp, device):
+    """Split ``model`` over the mesh's ``pp`` axis; returns the ``colossal.pipeline.PipelineParallel``.
+    ``gather``: the tensor-parallel logits gather (or ``None``); ``sp``: the sequence group (or ``None``)."""
     from colossal.pipeline import PipelineConfig, PipelineParallel
 
     ckpt = bool(getattr(getattr(model, "config", None), "activation_checkpointing", False))
     cfg = PipelineConfig(
         num_microbatches=num_microbatches, schedule=schedule, virtual=virtual, activation_checkpointing=ckpt
     )
-    embed, head = stage_fns(model, gather)
+    embed, head = stage_fns(model, gather, sp)
     return PipelineParallel(model, cfg, mesh.group("pp"), embed=embed, head=head, device=device)
 
 

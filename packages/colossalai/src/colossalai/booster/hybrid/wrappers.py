@@ -39,6 +39,7 @@ __all__ = [
     "gather_fn",
     "GatherLogits",
     "SequenceParallel",
+    "gather_sequence_logits",
     "sequence_after_tensor",
 ]
 
@@ -97,12 +98,20 @@ class SequenceParallel(nn.Module):
 
     def forward(self, idx: torch.Tensor, *args, **kwargs):
         """``(B, T)`` ids -> ``(B, T, V)`` logits, every rank computing ``T/sp`` of the tokens."""
-        from colossal.tensor_parallel import gather_sequence, split_sequence
+        from colossal.tensor_parallel import split_sequence
 
         out = self.module(split_sequence(idx, self.group), *args, **kwargs)  # (B, T/sp, V)
-        if out.requires_grad:
-            out.register_hook(lambda g: g * self.sp_size)
-        return gather_sequence(out, self.group)  # (B, T, V)
+        return gather_sequence_logits(out, self.group, self.sp_size)  # (B, T, V)
+
+
+def gather_sequence_logits(out: torch.Tensor, group, sp_size: int) -> torch.Tensor:
+    """``(B, T/sp, V)`` logits of this rank's tokens -> the full ``(B, T, V)``; the gradient
+    entering ``out`` is scaled by ``sp_size`` (``[Note: sequence-parallel gradients]``)."""
+    from colossal.tensor_parallel import gather_sequence
+
+    if out.requires_grad:
+        out.register_hook(lambda g: g * sp_size)
+    return gather_sequence(out, group)  # (B, T, V)
 
 
 def _global_positions(module, args, *, group, limit: int):
