@@ -7,7 +7,15 @@ import torch
 from pp_testing import TinyGPT, batch, lm_loss, rel_err
 from torch import nn
 
-from colossal.pipeline import WeightGradStore, find_blocks, measure_block_costs, partition_blocks
+from colossal.pipeline import (
+    PipelineConfig,
+    WeightGradStore,
+    find_blocks,
+    materialize_owned,
+    measure_block_costs,
+    partition_blocks,
+    stage_tensor_names,
+)
 
 
 def test_find_blocks_by_name_and_candidates():
@@ -69,3 +77,34 @@ def test_split_backward_equals_backward():
     assert store.pending == 0
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         assert rel_err(a.grad, b.grad) <= 1e-6, n
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (2, 2)])
+def test_meta_model_gets_the_dense_values_of_its_own_stages_only(p, v):
+    """[Note: same initial values as a dense build]: each rank's tensors equal the dense
+    ``to_empty`` + ``reset_parameters`` build from the same seed; the rest stay meta."""
+    with torch.device("meta"):
+        dense = TinyGPT(tied=True)
+    dense.to_empty(device="cpu")
+    dense.lm_head.weight = dense.wte.weight  # to_empty unties meta parameters
+    torch.manual_seed(7)
+    for mod in dense.modules():
+        if hasattr(mod, "reset_parameters"):
+            mod.reset_parameters()
+    ref = dense.state_dict()
+    cfg = PipelineConfig(num_microbatches=p, schedule="interleaved" if v > 1 else "1f1b", virtual=v)
+    covered = set()
+    for rank in range(p):
+        with torch.device("meta"):
+            model = TinyGPT(tied=True)
+        owned = stage_tensor_names(model, cfg, p, rank)
+        torch.manual_seed(7)
+        materialize_owned(model, owned, torch.device("cpu"), None)
+        state = model.state_dict(keep_vars=True)
+        assert all(not state[n].is_meta for n in owned)
+        for name, t in state.items():  # real: owned, or the tied alias of an owned tensor
+            assert t.is_meta or name in owned or t is model.wte.weight, name
+            assert t.is_meta or torch.equal(t, ref[name]), name
+        assert model.lm_head.weight is model.wte.weight  # ties kept
+        covered |= owned
+    assert covered == set(ref)

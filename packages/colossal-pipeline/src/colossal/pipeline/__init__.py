@@ -6,7 +6,14 @@ batch loss on every rank with gradients equal to single-process training.
 """
 
 from colossal.pipeline.p2p import HEADER_TAG, P2P_TAG, StageLinks
-from colossal.pipeline.runtime import LOSS_TAG, TIED_TAG, PipelineConfig, PipelineParallel, StepStats
+from colossal.pipeline.runtime import (
+    LOSS_TAG,
+    TIED_TAG,
+    PipelineConfig,
+    PipelineParallel,
+    StepStats,
+    stage_tensor_names,
+)
 from colossal.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -24,6 +31,7 @@ from colossal.pipeline.stages import (
     BlockCost,
     StageChunk,
     find_blocks,
+    materialize_owned,
     measure_block_costs,
     partition_blocks,
     split_model,
@@ -55,8 +63,10 @@ __all__ = [
     "ZeroBubbleH1",
     "find_blocks",
     "get_schedule",
+    "materialize_owned",
     "measure_block_costs",
     "partition_blocks",
     "simulate",
     "split_model",
+    "stage_tensor_names",
 ]

@@ -37,7 +37,7 @@ from colossal.pipeline.stages import (
 )
 from colossal.pipeline.weight_grad import WeightGradStore
 
-__all__ = ["PipelineConfig", "PipelineParallel", "StepStats", "TIED_TAG", "LOSS_TAG"]
+__all__ = ["PipelineConfig", "PipelineParallel", "StepStats", "TIED_TAG", "LOSS_TAG", "stage_tensor_names"]
 
 TIED_TAG = "colossal.pipeline.tied"
 """Tag of the tied-embedding gradient exchange (and the setup copy)."""
@@ -142,7 +142,8 @@ class PipelineParallel:
     Args:
         model: the whole model, built normally or on the meta device. Its tensors not used by this
             rank's chunks are replaced by meta tensors; the rest are moved to ``device`` (meta ones
-            allocated and initialised by ``init(module)``, default ``module.reset_parameters()``).
+            allocated and initialised by ``init(module)``, default: the values a dense build's
+            ``reset_parameters()`` calls give them, ``[Note: same initial values as a dense build]``).
         config: :class:`PipelineConfig`.
         group: the pipeline process group (``None``: the default group); its size is ``p``.
         embed: ``embed(model, inputs) -> hidden`` run by the first chunk (default: the model's
@@ -173,7 +174,7 @@ class PipelineParallel:
         self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.schedule = get_schedule(config.schedule, self.p, config.num_microbatches, config.virtual)
         self.blocks_name, seq = find_blocks(model, config.blocks)
-        self.bounds = self._partition(model, len(seq))
+        self.bounds = _partition(model, config, self.blocks_name, self.schedule.n_chunks, len(seq))
         chunk_ids = [self.rank + k * self.p for k in range(self.schedule.v)]
         owners = tensor_owners(model, self.blocks_name)
         tied = _tied_names(model, owners)
@@ -197,25 +198,6 @@ class PipelineParallel:
         self.stats = StepStats()
 
     # --- setup -------------------------------------------------------------------------------------
-
-    def _partition(self, model: nn.Module, n_blocks: int) -> list[tuple[int, int]]:
-        cfg, n_chunks = self.config, self.schedule.n_chunks
-        if cfg.partition == "params":
-            owners = tensor_owners(model, self.blocks_name)
-            per_block, first, last = [0.0] * n_blocks, 0.0, 0.0
-            for name, p in model.named_parameters():
-                part, i = owners[name]
-                if part == "block":
-                    per_block[i] += p.numel()
-                elif part == "first":
-                    first += p.numel()
-                else:
-                    last += p.numel()
-            return partition_blocks(n_blocks, n_chunks, "params", weights=per_block, first=first, last=last)
-        if cfg.partition == "cost":
-            weights = [c.time_s if isinstance(c, BlockCost) else float(c) for c in cfg.costs]
-            return partition_blocks(n_blocks, n_chunks, "cost", weights=weights)
-        return partition_blocks(n_blocks, n_chunks, cfg.partition, sizes=cfg.sizes)
 
     def _tied_links(self, tied: list[tuple[str, str]], owned: set[str]) -> list[tuple[str, int]]:
         """(name held here, peer rank) of each tied tensor whose two users live on two ranks."""
@@ -428,6 +410,45 @@ class _Run:
         if self.pipe.schedule.rank_of(c - 1) == self.pipe.rank:
             self.inbox[(_K.RECV_B, mb, c - 1)] = g
         return g
+
+
+def _partition(
+    model: nn.Module, cfg: PipelineConfig, blocks_name: str, n_chunks: int, n_blocks: int
+) -> list[tuple[int, int]]:
+    """Block ranges of the ``n_chunks`` chunks under ``cfg.partition``."""
+    if cfg.partition == "params":
+        owners = tensor_owners(model, blocks_name)
+        per_block, first, last = [0.0] * n_blocks, 0.0, 0.0
+        for name, p in model.named_parameters():
+            part, i = owners[name]
+            if part == "block":
+                per_block[i] += p.numel()
+            elif part == "first":
+                first += p.numel()
+            else:
+                last += p.numel()
+        return partition_blocks(n_blocks, n_chunks, "params", weights=per_block, first=first, last=last)
+    if cfg.partition == "cost":
+        weights = [c.time_s if isinstance(c, BlockCost) else float(c) for c in cfg.costs]
+        return partition_blocks(n_blocks, n_chunks, "cost", weights=weights)
+    return partition_blocks(n_blocks, n_chunks, cfg.partition, sizes=cfg.sizes)
+
+
+def stage_tensor_names(model: nn.Module, config: PipelineConfig, p: int, rank: int) -> set[str]:
+    """Names of the parameters and buffers that the chunks of pipeline rank ``rank`` (of ``p``)
+    use: what :class:`PipelineParallel` keeps real there. Pure (no communication), so a caller can
+    materialise exactly these tensors before building the pipeline (e.g. before converting them for
+    tensor parallelism); raises the same ``ValueError`` as :class:`PipelineParallel` would."""
+    schedule = get_schedule(config.schedule, p, config.num_microbatches, config.virtual)
+    blocks_name, seq = find_blocks(model, config.blocks)
+    bounds = _partition(model, config, blocks_name, schedule.n_chunks, len(seq))
+    chunk_ids = [rank + k * p for k in range(schedule.v)]
+    chunks = split_model(model, chunk_ids, bounds, blocks=blocks_name, embed=_unused, head=_unused)
+    return {n for c in chunks for n in c.param_names}
+
+
+def _unused(model: nn.Module, x: torch.Tensor) -> torch.Tensor:  # chunks built only for their names
+    raise AssertionError("never called")
 
 
 def _tied_names(model: nn.Module, owners: dict[str, tuple[str, int]]) -> list[tuple[str, str]]:

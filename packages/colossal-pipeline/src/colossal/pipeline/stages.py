@@ -6,6 +6,19 @@ blocks are divided among the ``p * v`` chunks, everything registered after (fina
 goes with the last chunk. Each rank keeps real tensors only for what its own chunks use and
 turns the rest into ``meta`` tensors, so a model built on the meta device is never whole anywhere.
 
+[Note: same initial values as a dense build]
+A model built on the meta device is initialised rank by rank, yet every rank must end with the
+values a dense build from the same seed would give its tensors, and no rank may hold the whole
+model. The rule: initialisation runs in the dense build's order over the whole model on every
+rank, drawing from the same random stream; a tensor of this rank's stages is drawn in place, one
+of another stage is drawn into a throw-away tensor (one module, or one parameter, at a time) and
+dropped. The stream therefore advances exactly as in the dense build, so each kept tensor gets
+its dense value, at the cost of drawing (not keeping) the other stages' numbers. Per module,
+``reset_parameters()`` in ``model.modules()`` order is the dense ``to_empty`` + ``reset_parameters``
+build (:func:`materialize_owned` with ``init=None``); a model with its own whole-model
+initialiser applies the same rule itself (``colossalai``'s ``GPT.init_weights`` draws a meta
+parameter into a scratch tensor).
+
 [Note: tied embeddings]
 A tensor registered both before and after the blocks (GPT's ``wte.weight`` is ``lm_head.weight``)
 is one logical weight used by the first and the last chunk. When those live on different ranks,
@@ -17,6 +30,7 @@ the same optimizer step and stay equal.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +44,7 @@ __all__ = [
     "BlockCost",
     "StageChunk",
     "find_blocks",
+    "materialize_owned",
     "measure_block_costs",
     "partition_blocks",
     "split_model",
@@ -274,31 +289,55 @@ def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, i
 
     A tensor registered under several names (tied) stays one tensor under all of them when any of
     its names is owned, so the model keeps its tie structure (and checkpoint aliases) on every
-    rank. A tensor still on the meta device becomes an uninitialised one, then ``init(module)``
-    runs on each module holding such a tensor (default: its ``reset_parameters()`` where it has one).
+    rank. Tensors still on the meta device are initialised by ``init(module)`` for each module
+    holding an owned one, or (``init=None``) as ``[Note: same initial values as a dense build]``
+    says: the same values a dense ``to_empty`` + ``reset_parameters`` build would give them.
     """
     params = list(model.named_parameters(remove_duplicate=False))
     buffers = list(model.named_buffers(remove_duplicate=False))
     keep_ids = {id(t) for n, t in params + buffers if n in owned}
+    fresh_ids = {id(t) for _, t in params + buffers if t.is_meta}  # allocated here: to initialise
     made: dict[int, torch.Tensor] = {}
-    fresh_modules: dict[str, nn.Module] = {}
     for is_param, items in ((True, params), (False, buffers)):
         for name, t in items:
             if id(t) not in made:
                 if id(t) in keep_ids:
                     new = torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device)
-                    if t.is_meta:
-                        fresh_modules[name.rpartition(".")[0]] = model.get_submodule(name.rpartition(".")[0])
                 else:
                     new = torch.empty_like(t, device="meta")
                 made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
             _replace(model, name, made[id(t)], is_param)
-    for mod in fresh_modules.values():
-        with torch.no_grad():
-            if init is not None:
-                init(mod)
-            elif hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
+    fresh = {id(made[i]) for i in fresh_ids & keep_ids}
+    with torch.no_grad():
+        if init is not None:
+            for mod in model.modules():
+                if any(id(t) in fresh for t in _own_tensors(mod)):
+                    init(mod)
+        else:
+            _replay_reset(model, fresh, device)
+
+
+def _own_tensors(mod: nn.Module) -> list[torch.Tensor]:
+    return list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+
+
+@torch.no_grad()
+def _replay_reset(model: nn.Module, fresh: set[int], device: torch.device) -> None:
+    """``reset_parameters()`` of every module in ``model.modules()`` order, as a dense build runs
+    them: in place where the module's tensors are this rank's fresh ones, on a throw-away
+    materialised copy where they are another stage's (meta), so the random stream advances
+    exactly as in the dense build (``[Note: same initial values as a dense build]``)."""
+    for mod in model.modules():
+        reset = getattr(mod, "reset_parameters", None)
+        own = _own_tensors(mod)
+        if reset is None or not own:
+            continue
+        if all(id(t) in fresh for t in own):
+            reset()
+        elif all(t.is_meta for t in own):
+            scratch = copy.deepcopy(mod).to_empty(device=device)  # one foreign module at a time
+            scratch.reset_parameters()
+            del scratch
 
 
 def split_model(

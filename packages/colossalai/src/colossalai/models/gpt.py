@@ -122,6 +122,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _scratch_device(model: nn.Module, generator: torch.Generator | None) -> torch.device:
+    """Where :func:`normal_or_skip_` draws a meta parameter's numbers: the generator's device, else
+    that of the model's real parameters (whose default random stream a dense build would use)."""
+    if generator is not None:
+        return generator.device
+    return next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+def normal_or_skip_(p: torch.Tensor, std: float, generator: torch.Generator | None, scratch_device) -> None:
+    """``p.normal_(0, std)``; a meta ``p`` (another pipeline stage's) is drawn into a scratch
+    tensor that is dropped at once, so the random stream advances as in a dense build."""
+    target = torch.empty(p.shape, dtype=p.dtype, device=scratch_device) if p.is_meta else p
+    target.normal_(0.0, std, generator=generator)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: token + position embedding, ``n_layer`` blocks, final LayerNorm, LM head.
 
@@ -152,8 +167,14 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm gains, and
-        residual output projections scaled by 1/sqrt(2 * n_layer)."""
+        residual output projections scaled by 1/sqrt(2 * n_layer).
+
+        A parameter still on the meta device (another pipeline stage's) is drawn into a scratch
+        tensor and dropped, so the parameters that are real get the values of a dense build from
+        the same random state (``[Note: same initial values as a dense build]`` in
+        ``colossal.pipeline.stages``)."""
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        scratch_device = _scratch_device(self, generator)
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 p.zero_()
@@ -161,7 +182,7 @@ class GPT(nn.Module):
                 p.fill_(1.0)
             else:
                 std = resid_std if name.endswith(("out_proj.weight", "fc_out.weight")) else 0.02
-                p.normal_(0.0, std, generator=generator)
+                normal_or_skip_(p, std, generator, scratch_device)
 
     def materialize(self, device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> GPT:
         """Allocate meta parameters on ``device`` and initialise them; returns ``self``."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from colossalai.models.gpt import GPT
+from colossalai.models.gpt import GPT, _scratch_device, normal_or_skip_
 from colossalai.models.presets import LAZY_THRESHOLD
 
 __all__ = [
@@ -223,14 +223,16 @@ class PaLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """PaLM initialisation (section 5): embedding N(0, 1), LayerNorm scales 1, every kernel
-        "fan-in variance scaling" N(0, 1/fan_in)."""
+        "fan-in variance scaling" N(0, 1/fan_in). A meta parameter (another pipeline stage's) is
+        drawn and dropped, as in :meth:`GPT.init_weights`."""
+        scratch_device = _scratch_device(self, generator)
         for name, p in self.named_parameters():
             if name == "wte.weight":
-                p.normal_(0.0, 1.0, generator=generator)
+                normal_or_skip_(p, 1.0, generator, scratch_device)
             elif name.endswith("ln.weight") or name == "ln_f.weight":
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, p.shape[1] ** -0.5, generator=generator)
+                normal_or_skip_(p, p.shape[1] ** -0.5, generator, scratch_device)
 
     # The same as the GPT's (they use only tie_weights, init_weights and config, which PaLM has).
     materialize = GPT.materialize

@@ -11,7 +11,8 @@ that the user's criterion runs unchanged on the full ``(B, T, V)`` logits, and g
 averaged over ``dp`` (times ``sp``) by DDP.
 
 [Note: the order of the axes]
-``configure`` applies the axes in one order: materialise, tensor parallel (:mod:`.tp` layers
+``configure`` applies the axes in one order: materialise (under pp only this rank's stages,
+``[Note: meta construction under pp]`` in :mod:`.pp`), tensor parallel (:mod:`.tp` layers
 convert the dense modules), sequence parallel (wraps the converted model), pipeline parallel
 (:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), expert
 parallel (:mod:`.ep` swaps each MoE layer for this rank's experts, before the optimizer is rebound
@@ -47,6 +48,8 @@ from colossalai.booster.hybrid.pp import (
     PipelineOptimizer,
     apply_pp,
     average_over_dp,
+    materialize_stages,
+    pipeline_config,
     replicas_over_pp_tp,
     stage_view,
 )
@@ -203,7 +206,15 @@ class HybridParallelPlugin(Plugin):
             check_ep(model, self.ep_size, self.dp_size())
         mesh = self._build_mesh()
         names = param_names(model)
-        model = materialize_(model, self.device)
+        pp_cfg = None
+        if self.pp_size > 1:
+            pp_cfg = pipeline_config(
+                model, num_microbatches=self.num_microbatches, schedule=self.pp_schedule, virtual=self.pp_virtual
+            )
+        if pp_cfg is not None and any(t.is_meta for t in model.parameters()):  # only this rank's stages
+            materialize_stages(model, mesh, pp_cfg, self.device)
+        else:
+            model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
         self._precision = precision
         with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
@@ -214,11 +225,8 @@ class HybridParallelPlugin(Plugin):
             if self.sp_size > 1:  # 2. sp: attention over sequence chunks, on the (tp) layers
                 wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes)
             if self.pp_size > 1:  # 3. pp cuts the converted model into this rank's stages
-                self._pipe = apply_pp(
-                    model, mesh, num_microbatches=self.num_microbatches, schedule=self.pp_schedule,
-                    virtual=self.pp_virtual, gather=gather, device=self.device,
-                    sp=mesh.group("sp") if self.sp_size > 1 else None,
-                )  # fmt: skip
+                sp = mesh.group("sp") if self.sp_size > 1 else None
+                self._pipe = apply_pp(model, mesh, pp_cfg, gather=gather, sp=sp, device=self.device)
                 wrapped = PipelineModule(model, self._pipe)
             if self.ep_size > 1:  # 4. ep swaps each MoE for this rank's experts (before the optimizer rebinds)
                 self._ep = apply_expert_parallel(model, self.ep_size, dp_group(mesh, self.sp_size), wrapped)

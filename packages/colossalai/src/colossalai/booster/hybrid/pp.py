@@ -13,6 +13,19 @@ group as well as ``tp``; an element held by ``m`` ranks of that product group (r
 ``m^(-1/p)``, so it counts once. dp replicas hold equal gradients after the average and are not
 summed.
 
+[Note: meta construction under pp]
+A model built on the meta device (``with torch.device("meta"): GPT(cfg)``, ``build_gpt(...,
+lazy=True)``) is never materialised whole: before any axis is applied, each rank allocates the
+tensors of its own stages only (``colossal.pipeline.stage_tensor_names``, the split the pipeline
+will make) and initialises them with the values a dense build from the same random state gives:
+colossalai's models through their ``init_weights`` (a meta parameter is drawn into a scratch
+tensor and dropped), any other model through ``reset_parameters()`` of every module in
+``modules()`` order, another stage's module on a throw-away copy (``[Note: same initial values
+as a dense build]`` in ``colossal.pipeline.stages``). Dense build here means what the Booster does
+for a meta model without pp (``materialize()``, or ``to_empty`` + ``reset_parameters``), seeded by
+the global random state at ``boost`` time. Tensor parallelism then converts the stage's (dense)
+modules, so a rank's peak is its stages' dense size plus one other module or parameter.
+
 [Note: sequence x pipeline parallel]
 With ``sp_size > 1`` every rank still passes the whole ``(B, T)`` batch to the pipeline; the
 first stage embeds only its ``T/sp`` tokens (global positions through the converted position
@@ -33,7 +46,16 @@ from colossalai.booster.hybrid.shards import multiplicity
 from colossalai.booster.hybrid.wrappers import gather_sequence_logits
 from colossalai.booster.wrappers import BoostedOptimizer
 
-__all__ = ["PipelineModule", "PipelineOptimizer", "apply_pp", "average_over_dp", "stage_view", "SCHEDULES"]
+__all__ = [
+    "PipelineModule",
+    "PipelineOptimizer",
+    "apply_pp",
+    "average_over_dp",
+    "materialize_stages",
+    "pipeline_config",
+    "stage_view",
+    "SCHEDULES",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 """Values of ``HybridParallelPlugin(pp_schedule=...)``."""
@@ -51,7 +73,20 @@ def stage_fns(model: nn.Module, gather=None, sp_group=None):
     before / after the blocks, in order). ``gather`` (tensor parallel) gathers the split logits;
     with ``sp_group`` (sequence parallel) the first stage embeds this rank's ``T/sp`` tokens, so
     every transfer between stages is ``(b, T/sp, C)``, and the last stage gathers the logits over
-    the sequence (``[Note: sequence x pipeline parallel]``)."""
+    the sequence (``[Note: meta construction under pp]
+A model built on the meta device (``with torch.device("meta"): GPT(cfg)``, ``build_gpt(...,
+lazy=True)``) is never materialised whole: before any axis is applied, each rank allocates the
+tensors of its own stages only (``colossal.pipeline.stage_tensor_names``, the split the pipeline
+will make) and initialises them with the values a dense build from the same random state gives:
+colossalai's models through their ``init_weights`` (a meta parameter is drawn into a scratch
+tensor and dropped), any other model through ``reset_parameters()`` of every module in
+``modules()`` order, another stage's module on a throw-away copy (``[Note: same initial values
+as a dense build]`` in ``colossal.pipeline.stages``). Dense build here means what the Booster does
+for a meta model without pp (``materialize()``, or ``to_empty`` + ``reset_parameters``), seeded by
+the global random state at ``boost`` time. Tensor parallelism then converts the stage's (dense)
+modules, so a rank's peak is its stages' dense size plus one other module or parameter.
+
+[Note: sequence x pipeline parallel]``)."""
     names = {n for n, _ in model.named_children()}
     if not {"wte", "wpe", "drop", "ln_f", "lm_head"} <= names:
         if gather is not None or sp_group is not None:
@@ -76,15 +111,37 @@ def stage_fns(model: nn.Module, gather=None, sp_group=None):
     return embed, head
 
 
-def apply_pp(model: nn.Module, mesh, *, num_microbatches: int, schedule: str, virtual: int, gather, sp, device):
-    """Split ``model`` over the mesh's ``pp`` axis; returns the ``colossal.pipeline.PipelineParallel``.
-    ``gather``: the tensor-parallel logits gather (or ``None``); ``sp``: the sequence group (or ``None``)."""
-    from colossal.pipeline import PipelineConfig, PipelineParallel
+def pipeline_config(model: nn.Module, *, num_microbatches: int, schedule: str, virtual: int):
+    """The ``colossal.pipeline.PipelineConfig`` of the plugin's pp settings (activation
+    checkpointing taken from the model's config)."""
+    from colossal.pipeline import PipelineConfig
 
     ckpt = bool(getattr(getattr(model, "config", None), "activation_checkpointing", False))
-    cfg = PipelineConfig(
+    return PipelineConfig(
         num_microbatches=num_microbatches, schedule=schedule, virtual=virtual, activation_checkpointing=ckpt
     )
+
+
+def materialize_stages(model: nn.Module, mesh, cfg, device: torch.device) -> None:
+    """Allocate and initialise only this rank's pipeline stages of a meta-device ``model`` (the
+    other stages stay meta), with the values of a dense build from the same random state
+    (``[Note: meta construction under pp]``). Communicates nothing."""
+    from colossal.pipeline import materialize_owned, stage_tensor_names
+
+    owned = stage_tensor_names(model, cfg, mesh.axes["pp"], mesh.coordinate("pp"))
+    whole_model_init = callable(getattr(model, "init_weights", None)) and hasattr(model, "materialize")
+    materialize_owned(model, owned, device, (lambda m: None) if whole_model_init else None)
+    if whole_model_init:  # colossalai's GPT / PaLM: their own initialiser skips meta tensors
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        model.init_weights()
+
+
+def apply_pp(model: nn.Module, mesh, cfg, *, gather, sp, device):
+    """Split ``model`` over the mesh's ``pp`` axis; returns the ``colossal.pipeline.PipelineParallel``.
+    ``gather``: the tensor-parallel logits gather (or ``None``); ``sp``: the sequence group (or ``None``)."""
+    from colossal.pipeline import PipelineParallel
+
     embed, head = stage_fns(model, gather, sp)
     return PipelineParallel(model, cfg, mesh.group("pp"), embed=embed, head=head, device=device)
 
