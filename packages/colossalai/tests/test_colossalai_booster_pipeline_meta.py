@@ -31,7 +31,8 @@ def _peak_allocated(fn):
     """(result of ``fn()``, peak bytes the CPU allocator held above its level at the start)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
     level = peak = 0
     for e in events:
         level += e.nbytes()
