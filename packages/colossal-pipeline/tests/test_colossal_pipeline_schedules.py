@@ -15,7 +15,9 @@ from colossal.pipeline import (
     get_schedule,
     simulate,
 )
+from colossal.pipeline.p2p import exchange_groups
 from colossal.pipeline.schedules import Action, Schedule
+from colossal.pipeline.simulate import _check_pair_order, grouping_for, simulate_groups
 
 PS, MS, VS = (1, 2, 3, 4, 8), (1, 2, 3, 4, 6, 8, 16), (1, 2, 3)
 
@@ -110,3 +112,33 @@ def test_simulator_catches_deadlock_and_mismatch():
 def test_bad_schedule_config(args, match):
     with pytest.raises(ValueError, match=match):
         get_schedule(*args)
+
+
+@pytest.mark.parametrize("cls", [GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1], ids=lambda c: c.name)
+def test_grouped_p2p_order_is_what_nccl_needs(cls):
+    """[Note: p2p order on NCCL]: for every (p, m, v), the chosen grouping has, between every two
+    ranks, the sends of one in the order of the other's receives (message by message, headers
+    first), and its groups, run with NCCL's blocking semantics, finish on every rank."""
+    paired_needed = []
+    for p, m, v, s in _grid(cls):
+        paired = grouping_for(s)
+        for headers in (False, True):
+            simulate_groups(s, headers, paired)  # raises ScheduleError on a mismatch or a deadlock
+        if paired:
+            paired_needed.append((p, m, v))
+    assert not paired_needed or cls is Interleaved1F1B, paired_needed
+
+
+def test_grouped_p2p_check_catches_a_deadlock_and_a_mismatch():
+    """The checker is not vacuous: unpaired interleaved on 2 ranks deadlocks under NCCL's
+    semantics, and a receive order that differs from the send order is reported."""
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate_groups(Interleaved1F1B(2, 4, 2), paired=False)
+    s = OneFOneB(2, 2)
+    groups = [exchange_groups(s, r) for r in range(2)]
+    _check_pair_order(s, groups)
+    recvs = [w for g in groups[1] for w in g if not w.send]
+    assert len(recvs) == 2  # rank 1 receives two activations; receive them in the other order
+    groups[1] = [[w if w.send else recvs[1 - recvs.index(w)] for w in g] for g in groups[1]]
+    with pytest.raises(ScheduleError, match="which receives"):
+        _check_pair_order(s, groups)

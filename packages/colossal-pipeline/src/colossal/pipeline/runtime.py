@@ -25,8 +25,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from colossal import comm as cc
-from colossal.pipeline.p2p import StageLinks
+from colossal.pipeline.p2p import StageLinks, exchange_blocks
 from colossal.pipeline.schedules import Action, ActionKind, Schedule, get_schedule
+from colossal.pipeline.simulate import grouping_for
 from colossal.pipeline.stages import (
     BlockCost,
     find_blocks,
@@ -71,6 +72,11 @@ class PipelineConfig:
     """Recompute each block's forward during its backward (non-reentrant checkpointing)."""
     loss_reduction: str = "mean"
     """``"mean"``: the step's loss is the mean of the micro-batch losses; ``"sum"``: their sum."""
+    p2p: str = "auto"
+    """How transfers are issued (``[Note: p2p order on NCCL]`` in :mod:`colossal.pipeline.p2p`):
+    ``"overlap"`` (each operation on its own, receives posted one compute ahead: gloo only),
+    ``"grouped"`` (one ordered ``batch_p2p`` per exchange point: what NCCL needs), or ``"auto"``
+    (overlap on gloo, grouped on every other backend)."""
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -86,6 +92,8 @@ class PipelineConfig:
             raise ValueError(f"costs goes with partition='cost' (got partition={self.partition!r})")
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.p2p not in ("auto", "overlap", "grouped"):
+            raise ValueError(f"p2p must be 'auto', 'overlap' or 'grouped', got {self.p2p!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,6 +190,13 @@ class PipelineParallel:
             model, chunk_ids, self.bounds, blocks=self.blocks_name, embed=embed, head=head,
             activation_checkpointing=config.activation_checkpointing,
         )  # fmt: skip
+        self._steps = _group_steps(self.schedule.actions(self.rank))
+        backend = dist.get_backend(group)
+        self.p2p_mode = config.p2p if config.p2p != "auto" else ("overlap" if backend == "gloo" else "grouped")
+        """``"overlap"`` or ``"grouped"``: how this rank issues its transfers (``PipelineConfig.p2p``)."""
+        if self.p2p_mode == "grouped":  # verified deadlock-free and order-consistent before any transfer
+            paired = grouping_for(self.schedule)
+            self._blocks = exchange_blocks([st.compute.kind for st in self._steps], paired)
         # --- nothing above communicates; every configuration error has been raised on every rank ---
         self.device = torch.device(device) if device is not None else cc.default_device()
         owned = {n for c in self.chunks for n in c.param_names}
@@ -194,7 +209,6 @@ class PipelineParallel:
             for name in {n.rpartition(".")[0] for n in owned}:
                 self.weight_store.patch(model.get_submodule(name))
         self.links = StageLinks(group, self.schedule, self.device)
-        self._steps = _group_steps(self.schedule.actions(self.rank))
         self.stats = StepStats()
 
     # --- setup -------------------------------------------------------------------------------------
@@ -299,6 +313,17 @@ class PipelineParallel:
             loss_fn,
         )
         saved = self._stash_tied_grads()
+        if self.p2p_mode == "grouped":
+            self._run_grouped(run)
+        else:
+            self._run_overlapped(run, warm)
+        self._reduce_tied_grads(saved)
+        loss = self._broadcast_loss(run.losses)
+        self.stats = StepStats(wall_s=time.perf_counter() - t0, compute_s=run.compute_s, peak_inflight=run.peak)
+        return loss
+
+    def _run_overlapped(self, run: _Run, warm: bool) -> None:
+        """Every transfer on its own; receives posted one compute ahead, sends completed at the end."""
         posted: dict[Action, object] = {}
         for i, st in enumerate(self._steps):
             for a in st.recvs:  # posted in program order, so messages match on every channel
@@ -310,16 +335,25 @@ class PipelineParallel:
                         posted[a] = self.links.post_recv(a)
             for a in st.recvs:
                 run.inbox[(a.kind, a.mb, a.chunk)] = self.links.wait(posted.pop(a))
-            c0 = time.perf_counter()
-            out = run.compute(st.compute)
-            run.compute_s += time.perf_counter() - c0
+            run.timed(st.compute)
             for a in st.sends:
-                self.links.send(a, out)
+                self.links.send(a, run.out)
         self.links.wait_sends()
-        self._reduce_tied_grads(saved)
-        loss = self._broadcast_loss(run.losses)
-        self.stats = StepStats(wall_s=time.perf_counter() - t0, compute_s=run.compute_s, peak_inflight=run.peak)
-        return loss
+
+    def _run_grouped(self, run: _Run) -> None:
+        """One ordered ``batch_p2p`` per exchange point: the sends of the block just run with
+        the receives of the next (``[Note: p2p order on NCCL]``)."""
+        pending: list[tuple[Action, torch.Tensor]] = []
+        for block in self._blocks:
+            recvs = [a for j in block for a in self._steps[j].recvs]
+            for a, t in self.links.exchange(pending, recvs).items():
+                run.inbox[(a.kind, a.mb, a.chunk)] = t
+            pending = []
+            for j in block:
+                run.timed(self._steps[j].compute)
+                pending += [(a, run.out) for a in self._steps[j].sends]
+        if pending:
+            self.links.exchange(pending, [])
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -364,6 +398,13 @@ class _Run:
         self.held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (input, output)
         self.losses: list[torch.Tensor] = []
         self.compute_s, self.peak = 0.0, 0
+        self.out: torch.Tensor | None = None  # what the last compute's sends carry
+
+    def timed(self, a: Action) -> None:
+        """Run the compute ``a`` (its output in ``self.out``), adding its time to ``compute_s``."""
+        c0 = time.perf_counter()
+        self.out = self.compute(a)
+        self.compute_s += time.perf_counter() - c0
 
     def compute(self, a: Action) -> torch.Tensor | None:
         """Run one compute action; return the tensor its sends carry (if any)."""

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from colossal.pipeline.p2p import Wire, exchange_groups
 from colossal.pipeline.schedules import Action, ActionKind, Schedule
 
-__all__ = ["SimResult", "ScheduleError", "simulate"]
+__all__ = ["SimResult", "ScheduleError", "grouping_for", "simulate", "simulate_groups"]
 
 _K = ActionKind
 DEFAULT_TIMES = {_K.F: 1.0, _K.B: 2.0, _K.BI: 1.0, _K.BW: 1.0}
@@ -147,3 +148,90 @@ def _check_complete(schedule: Schedule, done) -> None:
             missing = [k for k in (_K.F, *backward) if (k, mb, c) not in done]
             if missing:
                 raise ScheduleError(f"{schedule!r} never runs {missing} of micro-batch {mb} chunk {c}")
+
+
+def grouping_for(schedule: Schedule) -> bool:
+    """Whether grouped mode pairs forward and backward into one block (``paired`` of
+    :func:`~colossal.pipeline.p2p.exchange_blocks`): the first of unpaired, paired whose groups,
+    with and without headers, pass :func:`simulate_groups`. Raises ``ValueError`` when neither
+    does (none in the tested grid), so a configuration that could hang on NCCL fails at setup."""
+    errors = []
+    for paired in (False, True):
+        try:
+            for headers in (True, False):
+                simulate_groups(schedule, headers, paired)
+            return paired
+        except ScheduleError as e:
+            errors.append(str(e))
+    raise ValueError(f"{schedule!r} has no deadlock-free grouped p2p order for NCCL: {errors}")
+
+
+def simulate_groups(schedule: Schedule, headers: bool = False, paired: bool = False) -> int:
+    """Run the grouped-mode transfers of every rank (:func:`~colossal.pipeline.p2p.exchange_groups`)
+    with NCCL's semantics (``[Note: p2p order on NCCL]``): a rank's groups run one after the
+    other (a stream), an operation completes once the peer has reached the group holding its
+    match, a group finishes when all its operations have, and the ``k``-th send from ``a`` to
+    ``b`` matches the ``k``-th receive of ``b`` from ``a``, which must be the same message.
+    Raises :class:`ScheduleError` on a mismatch or a deadlock; returns the number of rounds
+    (groups finishing together)."""
+    groups = [exchange_groups(schedule, r, headers, paired) for r in range(schedule.p)]
+    _check_pair_order(schedule, groups)
+    # position of each operation: (rank, peer, send, index on that directed channel) -> group index
+    where: dict[tuple[int, int, bool, int], int] = {}
+    for r, gs in enumerate(groups):
+        count: dict[tuple[int, bool], int] = defaultdict(int)
+        for gi, g in enumerate(gs):
+            for w in g:
+                where[(r, w.peer, w.send, count[(w.peer, w.send)])] = gi
+                count[(w.peer, w.send)] += 1
+    at, rounds = [0] * schedule.p, 0
+    ops = [_indexed(gs) for gs in groups]
+    while any(at[r] < len(groups[r]) for r in range(schedule.p)):
+        ready = [r for r in range(schedule.p) if at[r] < len(groups[r]) and _can_finish(r, at, ops, where)]
+        if not ready:
+            stuck = {r: groups[r][at[r]] for r in range(schedule.p) if at[r] < len(groups[r])}
+            raise ScheduleError(f"{schedule!r} grouped p2p deadlocks; ranks blocked at {stuck}")
+        for r in ready:
+            at[r] += 1
+        rounds += 1
+    return rounds
+
+
+def _indexed(gs: list[list[Wire]]) -> list[list[tuple[Wire, int]]]:
+    """Each operation with its index on its directed channel."""
+    count: dict[tuple[int, bool], int] = defaultdict(int)
+    out = []
+    for g in gs:
+        row = []
+        for w in g:
+            row.append((w, count[(w.peer, w.send)]))
+            count[(w.peer, w.send)] += 1
+        out.append(row)
+    return out
+
+
+def _can_finish(r: int, at: list[int], ops, where) -> bool:
+    """Whether every operation of ``r``'s current group meets its match: the peer is at (or
+    already past) the group holding it, so both operations have been launched."""
+    for w, k in ops[r][at[r]]:
+        there = where.get((w.peer, r, not w.send, k))
+        if there is None or there > at[w.peer]:
+            return False
+    return True
+
+
+def _check_pair_order(schedule: Schedule, groups: list[list[list[Wire]]]) -> None:
+    """The sends from ``a`` to ``b`` and the receives of ``b`` from ``a`` list the same messages in
+    the same order."""
+    seq: dict[tuple[int, int, bool], list[tuple]] = defaultdict(list)
+    for r, gs in enumerate(groups):
+        for g in gs:
+            for w in g:
+                seq[(r, w.peer, w.send)].append(w.key)
+    for (r, peer, send), keys in seq.items():
+        if send and seq.get((peer, r, False), []) != keys:
+            raise ScheduleError(
+                f"{schedule!r}: rank {r} sends {keys} to {peer}, which receives {seq.get((peer, r, False), [])}"
+            )
+        if not send and (peer, r, True) not in seq:
+            raise ScheduleError(f"{schedule!r}: rank {r} receives {keys} from {peer}, which sends nothing")
