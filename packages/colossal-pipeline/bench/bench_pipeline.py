@@ -1,11 +1,15 @@
 """GPT training step through a 4-stage pipeline: ours against ``torch.distributed.pipelining``,
 schedule by schedule, in one run on 4 gloo ranks.
 
-Each (implementation, schedule) runs in fresh processes: one warm-up step (excluded: torch's
-first step costs ~1.3x), then ``--steps`` timed steps. Prints per row: seconds per step (slowest
-rank) and the ratio to torch's schedule of the same kind, peak RSS per rank (max over ranks),
-cores used (summed CPU time of all ranks / wall time), the measured bubble and the theoretical
-one, ``(p - 1) / (m + p - 1)`` (divided by ``v`` for interleaved: ``((p-1)/v) / (m + (p-1)/v)``).
+Robust to a loaded machine: each schedule runs in one set of 4 processes holding both
+implementations, whose steps alternate (torch first on even steps, ours first on odd ones), so
+both see the same load; one warm-up step each is excluded (torch's first step costs ~1.3x), then
+the median of ``--steps`` steps is reported. Prints per row: wall seconds per step (slowest rank)
+and CPU seconds per step (all ranks), each with its ratio to torch's schedule of the same kind;
+the peak bytes the allocator held during one step (activations, gradients, transfer buffers; max
+over ranks); cores used (CPU / wall); the measured bubble and the theoretical one,
+``(p - 1) / (m + p - 1)`` (divided by ``v`` for interleaved: ``((p-1)/v) / (m + (p-1)/v)``); and
+the machine's load average before the row.
 
 Measured bubble: ``1 - CPU time / wall time`` per rank, averaged (the same for both
 implementations; a rank waiting on a receive sleeps). For ours it also prints the idle fraction
@@ -24,7 +28,7 @@ import json
 import math
 import os
 import pathlib
-import resource
+import statistics
 import time
 
 import torch
@@ -134,35 +138,63 @@ def _ours_runner(kind: str, gpt: GPT, args, rank: int):
     return (lambda idx, tgt: pipe.step(idx, tgt, lm_loss)), list(pipe.parameters()), pipe
 
 
-def _rank(impl: str, kind: str, args) -> dict:
+FAMILIES = {  # our schedule -> torch's schedule of the same kind
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved": "interleaved",
+    "zero_bubble": "interleaved_zb",
+}
+
+
+def _one_step(step, opt, idx, tgt) -> tuple[float, float]:
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    step(idx, tgt)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _peak_step_bytes(step, opt, idx, tgt) -> int:
+    """Peak bytes the CPU allocator held above its starting level during one step (activations,
+    gradients, buffers in flight), from the profiler's memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _one_step(step, opt, idx, tgt)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    level = peak = 0
+    for e in events:
+        level += e.nbytes()
+        peak = max(peak, level)
+    return peak
+
+
+def _rank(kind: str, args) -> dict:
+    """Both implementations in the same processes, their steps alternating (which goes first
+    alternates too), so both see the same machine load."""
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    gpt = GPT(args.vocab, args.seq, args.hidden, args.blocks)
+    runners = {}
+    for impl, make, name in (("torch", _torch_runner, FAMILIES[kind]), ("ours", _ours_runner, kind)):
+        torch.manual_seed(0)
+        gpt = GPT(args.vocab, args.seq, args.hidden, args.blocks)
+        step, params, pipe = make(name, gpt, args, rank)
+        runners[impl] = (step, torch.optim.SGD(params, lr=1e-3), pipe)
     n_params = sum(p.numel() for p in gpt.parameters())
-    step, params, pipe = (_ours_runner if impl == "ours" else _torch_runner)(kind, gpt, args, rank)
-    opt = torch.optim.SGD(params, lr=1e-3)
     g = torch.Generator().manual_seed(1)
     b = args.microbatches * args.mb_size
     data = [(torch.randint(0, args.vocab, (b, args.seq), generator=g),) * 2 for _ in range(args.steps + 1)]
-    spans = []
+    times = {impl: [] for impl in runners}
     for i, (idx, tgt) in enumerate(data):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        step(idx, tgt)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if i > 0:  # the first step is warm-up
-            spans.append((wall, cpu, pipe.stats.bubble if pipe is not None else math.nan))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
-    n = len(spans)
-    return {
-        "wall": sum(s[0] for s in spans) / n,
-        "cpu": sum(s[1] for s in spans) / n,
-        "span_bubble": sum(s[2] for s in spans) / n,
-        "rss_mib": rss,
-        "params": n_params,
-    }
+        order = ("torch", "ours") if i % 2 == 0 else ("ours", "torch")
+        for impl in order:
+            step, opt, pipe = runners[impl]
+            wall, cpu = _one_step(step, opt, idx, tgt)
+            if i > 0:  # the first step is warm-up
+                times[impl].append((wall, cpu, pipe.stats.bubble if pipe is not None else math.nan))
+    peak = {impl: _peak_step_bytes(step, opt, *data[0]) for impl, (step, opt, _) in runners.items()}
+    return {"times": times, "peak_bytes": peak, "params": n_params}
 
 
 def _theory(kind: str, m: int) -> float:
@@ -170,17 +202,8 @@ def _theory(kind: str, m: int) -> float:
     return ((P - 1) / v) / (m + (P - 1) / v)
 
 
-ROWS = [
-    ("torch", "gpipe", "gpipe"),
-    ("ours", "gpipe", "gpipe"),
-    ("torch", "1f1b", "1f1b"),
-    ("ours", "1f1b", "1f1b"),
-    ("torch", "interleaved", "interleaved"),
-    ("ours", "interleaved", "interleaved"),
-    ("torch", "interleaved_zb", "zero_bubble"),
-    ("torch", "zbv", "zero_bubble"),
-    ("ours", "zero_bubble", "zero_bubble"),
-]
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -191,45 +214,48 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--mb-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated schedules to run (default: all)")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
-    results, base = [], {}
+    results = []
     print(
         f"{P} gloo ranks, {os.cpu_count()} cores, {args.blocks} blocks, hidden {args.hidden}, seq {args.seq}, "
-        f"{args.microbatches} micro-batches of {args.mb_size}"
+        f"{args.microbatches} micro-batches of {args.mb_size}; median of {args.steps} steps after one warm-up, "
+        f"ours and torch alternating in the same processes"
     )
-    cols = ("s/step", 7), ("vs torch", 8), ("RSS MiB", 8), ("cores", 6), ("bubble", 7), ("spans", 6), ("theory", 7)
+    cols = ("wall s", 7), ("ratio", 6), ("cpu s", 7), ("ratio", 6), ("peak MiB", 8), ("cores", 6)
+    cols += ("bubble", 7), ("spans", 6), ("theory", 7), ("load", 14)
     print(f"{'impl':6} {'schedule':15} " + " ".join(f"{c:>{w}}" for c, w in cols))
-    for impl, kind, family in ROWS:
+    for kind in FAMILIES:
         if only and kind not in only:
             continue
-        per_rank = run_distributed(_rank, P, impl, kind, args, timeout=900)
-        wall = max(r["wall"] for r in per_rank)
-        cores = sum(r["cpu"] for r in per_rank) / wall
-        bubble = sum(1 - r["cpu"] / r["wall"] for r in per_rank) / P
-        spans = sum(r["span_bubble"] for r in per_rank) / P
-        row = {
-            "impl": impl,
-            "schedule": kind,
-            "s_per_step": wall,
-            "rss_mib_max": max(r["rss_mib"] for r in per_rank),
-            "cores_used": cores,
-            "bubble_cpu": bubble,
-            "bubble_spans": spans,
-            "bubble_theory": _theory(kind, args.microbatches),
-            "params": per_rank[0]["params"],
-        }
-        if impl == "torch":
-            base.setdefault(family, wall)
-        row["ratio_to_torch"] = wall / base[family] if family in base else math.nan
-        results.append(row)
-        print(
-            f"{impl:6} {kind:15} {wall:7.3f} {row['ratio_to_torch']:8.2f} {row['rss_mib_max']:8.0f} {cores:6.2f} "
-            f"{bubble:7.3f} {spans:6.3f} {row['bubble_theory']:7.3f}",
-            flush=True,
-        )
+        load = _load()
+        per_rank = run_distributed(_rank, P, kind, args, timeout=900)
+        base = {}
+        for impl, name in (("torch", FAMILIES[kind]), ("ours", kind)):
+            steps = list(zip(*(r["times"][impl] for r in per_rank), strict=True))  # per step: every rank
+            wall = statistics.median(max(s[0] for s in st) for st in steps)  # slowest rank
+            cpu = statistics.median(sum(s[1] for s in st) for st in steps)  # all ranks
+            bubble = statistics.median(sum(1 - s[1] / s[0] for s in st) / P for st in steps)
+            spans = statistics.median(sum(s[2] for s in st) / P for st in steps)
+            peak = max(r["peak_bytes"][impl] for r in per_rank) / 2**20
+            base.setdefault("wall", wall)
+            base.setdefault("cpu", cpu)
+            row = {
+                "impl": impl, "schedule": name, "wall_s_median": wall, "cpu_s_median": cpu,
+                "wall_ratio_to_torch": wall / base["wall"], "cpu_ratio_to_torch": cpu / base["cpu"],
+                "peak_step_mib_max": peak, "cores_used": cpu / wall, "bubble_cpu": bubble,
+                "bubble_spans": spans, "bubble_theory": _theory(name, args.microbatches),
+                "load_before": load, "params": per_rank[0]["params"],
+            }  # fmt: skip
+            results.append(row)
+            print(
+                f"{impl:6} {name:15} {wall:7.3f} {row['wall_ratio_to_torch']:6.2f} {cpu:7.3f} "
+                f"{row['cpu_ratio_to_torch']:6.2f} {peak:8.1f} {cpu / wall:6.2f} {bubble:7.3f} {spans:6.3f} "
+                f"{row['bubble_theory']:7.3f} {load:>14}",
+                flush=True,
+            )
     path = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results"))
     path.mkdir(parents=True, exist_ok=True)
     (path / "pipeline.json").write_text(json.dumps({"args": vars(args), "rows": results}, indent=2))

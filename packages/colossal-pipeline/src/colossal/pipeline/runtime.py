@@ -407,17 +407,23 @@ class _Run:
         self.compute_s += time.perf_counter() - c0
 
     def compute(self, a: Action) -> torch.Tensor | None:
-        """Run one compute action; return the tensor its sends carry (if any)."""
-        with torch.profiler.record_function(f"colossal.pipeline::{a.kind.value}"):
-            if a.kind == _K.F:
-                return self._forward(a.mb, a.chunk)
-            if a.kind == _K.BW:
-                self.pipe.weight_store.flush((a.mb, a.chunk))
-                return None
-            if a.kind == _K.BI:
-                with self.pipe.weight_store.capture((a.mb, a.chunk)):
-                    return self._backward(a.mb, a.chunk)
-            return self._backward(a.mb, a.chunk)
+        """Run one compute action; return the tensor its sends carry (if any). Labelled in
+        profiler traces (the label only built while a profiler records)."""
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(f"colossal.pipeline::{a.kind.value}"):
+                return self._compute(a)
+        return self._compute(a)
+
+    def _compute(self, a: Action) -> torch.Tensor | None:
+        if a.kind == _K.F:
+            return self._forward(a.mb, a.chunk)
+        if a.kind == _K.BW:
+            self.pipe.weight_store.flush((a.mb, a.chunk))
+            return None
+        if a.kind == _K.BI:
+            with self.pipe.weight_store.capture((a.mb, a.chunk)):
+                return self._backward(a.mb, a.chunk)
+        return self._backward(a.mb, a.chunk)
 
     def _forward(self, mb: int, c: int) -> torch.Tensor | None:
         if c == 0:
