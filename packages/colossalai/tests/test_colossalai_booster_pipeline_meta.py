@@ -90,3 +90,7 @@ def test_meta_gpt_pp2_materialises_only_its_stages_and_matches_dense():
 
 def test_meta_gpt_pp2_tp2_materialises_only_its_stages_and_matches_dense():
     _check(4, dict(tp_size=2, pp_size=2, num_microbatches=2), 0.9)
+
+
+def test_meta_gpt_pp2_sp2_materialises_only_its_stages_and_matches_dense():
+    _check(4, dict(tp_size=1, sp_size=2, pp_size=2, num_microbatches=2), 0.7)
