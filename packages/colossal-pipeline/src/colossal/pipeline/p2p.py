@@ -235,7 +235,19 @@ class StageLinks:
                 cc.batch_p2p([cc.P2POp("send", header, peer, self.group)], async_op=True, tag=HEADER_TAG)
             )
             self._told.add(a.chunk)
+        self._reap()
         self._sends.append(cc.batch_p2p([cc.P2POp("send", tensor, peer, self.group)], async_op=True, tag=P2P_TAG))
+
+    def _reap(self) -> None:
+        """Finish the sends already completed, releasing their tensors (a sent activation or
+        gradient is otherwise held until the end of the step)."""
+        pending = []
+        for h in self._sends:
+            if h.is_completed():
+                h.wait()
+            else:
+                pending.append(h)
+        self._sends = pending
 
     def exchange(self, sends: list[tuple[Action, torch.Tensor]], recvs: list[Action]) -> dict[Action, torch.Tensor]:
         """Grouped mode: the ``(send, tensor)`` pairs and the receives ``recvs`` as one ``batch_p2p``
