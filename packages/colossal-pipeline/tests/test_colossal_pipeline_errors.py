@@ -70,6 +70,7 @@ def test_bad_configs_raise_on_every_rank():
         ({"num_microbatches": 2, "partition": "even"}, "partition must be"),
         ({"num_microbatches": 2, "sizes": [4, 4]}, "goes with partition='sizes'"),
         ({"num_microbatches": 2, "loss_reduction": "none"}, "loss_reduction must be"),
+        ({"num_microbatches": 2, "p2p": "nccl"}, "p2p must be 'auto', 'overlap' or 'grouped', got 'nccl'"),
     ],
 )
 def test_bad_config_fields(kwargs, match):
