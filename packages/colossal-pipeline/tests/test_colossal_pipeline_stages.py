@@ -108,3 +108,17 @@ def test_meta_model_gets_the_dense_values_of_its_own_stages_only(p, v):
         assert model.lm_head.weight is model.wte.weight  # ties kept
         covered |= owned
     assert covered == set(ref)
+
+
+def test_eager_model_is_not_reinitialised_and_draws_nothing():
+    """A model built normally keeps its values; splitting it draws no random numbers."""
+    model = TinyGPT(tied=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    owned = stage_tensor_names(model, PipelineConfig(num_microbatches=2), 2, 1)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    materialize_owned(model, owned, torch.device("cpu"), None)
+    assert torch.equal(torch.rand(4), expected)
+    for name, t in model.state_dict().items():
+        assert t.is_meta or torch.equal(t, before[name]), name

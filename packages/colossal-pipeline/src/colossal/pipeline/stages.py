@@ -308,6 +308,8 @@ def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, i
                 made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
             _replace(model, name, made[id(t)], is_param)
     fresh = {id(made[i]) for i in fresh_ids & keep_ids}
+    if not fresh:  # nothing of this rank was on the meta device: nothing to initialise (no draws)
+        return
     with torch.no_grad():
         if init is not None:
             for mod in model.modules():
