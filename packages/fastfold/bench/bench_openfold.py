@@ -1,8 +1,10 @@
 """fastfold against OpenFold, side by side: the Evoformer stack with the same random weights (through
 the OpenFold name mapping of :mod:`fastfold.weights`) on the same inputs, every configuration in a
-fresh process, printing fastfold/OpenFold ratios of wall time, process CPU time (robust on a shared
-machine), peak RSS and activation memory, then training steps (checkpointed; fastfold DAP 1 and 2
-against OpenFold's), writing ``fastfold_vs_openfold.json`` under ``COLOSSAL_BENCH_OUT``.
+fresh process (``--rounds`` alternating fastfold/OpenFold processes per configuration, the fastest
+kept, with the load average before each), printing fastfold/OpenFold ratios of wall time, process
+CPU time (robust on a shared machine), peak RSS and activation memory, then training steps
+(checkpointed; fastfold DAP 1 and 2 against OpenFold's), writing ``fastfold_vs_openfold.json`` under
+``COLOSSAL_BENCH_OUT``.
 
 OpenFold (github.com/aqlaboratory/openfold) is not a registry package: point ``OPENFOLD_PATH`` at a
 source tree (the directory holding ``openfold/``); without it the script says so and exits 0. On CPU
@@ -45,6 +47,7 @@ def _args(argv=None):
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="timed calls per process (fastest reported)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating fresh-process rounds per side (fastest reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before the timed ones")
     p.add_argument("--train-n-res", type=int, nargs="+", default=[64, 128])
     p.add_argument("--train-steps", type=int, default=1)
@@ -262,10 +265,27 @@ def _spawn(w, env):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _pair(w, env):
-    ff = _spawn({**w, "impl": "fastfold"}, env)
-    of = _spawn({**w, "impl": "openfold"}, env)
-    return ff, of
+def _merge(runs):
+    """Fastest wall and CPU time over fresh-process rounds, largest memory, the load averages seen."""
+    out = {k: min(r[k] for r in runs) for k in ("seconds", "cpu_seconds") if k in runs[0]}
+    out.update({k: max(r[k] for r in runs) for k in ("peak_mib", "act_mib")})
+    out["load"] = [r["load"] for r in runs]
+    return out
+
+
+def _pair(w, env, rounds=1):
+    """fastfold and OpenFold in alternating fresh processes, ``rounds`` times each: a load spike on
+    a shared machine then hits one round, not one side."""
+    runs = {"fastfold": [], "openfold": []}
+    for _ in range(rounds):
+        for impl in runs:
+            load = os.getloadavg()[0]
+            runs[impl].append({**_spawn({**w, "impl": impl}, env), "load": round(load, 1)})
+    return _merge(runs["fastfold"]), _merge(runs["openfold"])
+
+
+def _loads(res):
+    return ",".join(f"{x:.0f}" for x in res.get("load", [])) or "-"
 
 
 def _print_row(label, ff, of):
@@ -274,7 +294,7 @@ def _print_row(label, ff, of):
     print(
         f"| {label} | {ff['seconds']:.2f} / {of['seconds']:.2f} = **{r('seconds'):.2f}** | {cpu} "
         f"| {ff['peak_mib']:.0f} / {of['peak_mib']:.0f} = {r('peak_mib'):.2f} "
-        f"| {ff['act_mib']:.0f} / {of['act_mib']:.0f} = {r('act_mib'):.2f} |",
+        f"| {ff['act_mib']:.0f} / {of['act_mib']:.0f} = {r('act_mib'):.2f} | {_loads(ff)} / {_loads(of)} |",
         flush=True,
     )
 
@@ -308,12 +328,15 @@ def main(argv=None):
     if a.check_only:
         return
     common = dict(n_seq=a.n_seq, blocks=a.blocks, threads=a.threads, warmup=a.warmup, repeats=a.repeats)
-    print("\n| config | wall s fastfold / OpenFold | CPU s | peak RSS MiB | activation MiB |\n|---|---|---|---|---|")
+    print(
+        "\n| config | wall s fastfold / OpenFold | CPU s | peak RSS MiB | activation MiB | load per round |"
+        "\n|---|---|---|---|---|---|"
+    )
     for n_res in a.n_res:
         for name in a.configs:
             chunk, inplace = CONFIGS[name]
             chunk = a.chunk_size if chunk == "C" else chunk
-            ff, of = _pair(dict(common, mode="infer", n_res=n_res, chunk=chunk, inplace=inplace), env)
+            ff, of = _pair(dict(common, mode="infer", n_res=n_res, chunk=chunk, inplace=inplace), env, a.rounds)
             label = f"n_res {n_res}, " + (name if chunk is None else name.replace("chunk", f"chunk {chunk}"))
             _print_row(label, ff, of)
             report["rows"].append({"config": label, "fastfold": ff, "openfold": of})
@@ -329,7 +352,7 @@ def main(argv=None):
     if not a.no_train:
         tcommon = dict(common, mode="train", repeats=a.train_steps)
         for n_res in a.train_n_res:
-            ff, of = _pair(dict(tcommon, n_res=n_res), env)
+            ff, of = _pair(dict(tcommon, n_res=n_res), env, a.rounds)
             _print_row(f"training step n_res {n_res}, checkpointed, DAP 1", ff, of)
             dap = _spawn(dict(tcommon, mode="train_dap", n_res=n_res, impl="fastfold"), env)
             _print_row(f"training step n_res {n_res}, DAP 2 (1 thread/rank) vs OpenFold", dap, of)
