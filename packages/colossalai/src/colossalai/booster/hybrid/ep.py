@@ -1,9 +1,9 @@
 """Expert parallelism for the Booster: shard every MoE layer's experts over an ``ep`` group,
 reduce expert gradients over their own group, and keep checkpoints in dense form.
 
-This is the colossalai-side piece that ``HybridParallelPlugin(ep_size=...)`` composes with DDP
-or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
-``HybridParallelPlugin(ep_size=E)`` composes this module with DDP and 1D tensor parallelism:
+[Note: expert parallelism in the hybrid plugin]
+``HybridParallelPlugin(ep_size=E)`` composes this module with DDP or ZeRO 1/2, 1D tensor
+parallelism and pipeline parallelism:
 
 1. Groups: the plugin's ``dp`` group (``D`` ranks) is split into ``edp x ep`` with ``ep`` inner:
    each run of ``E`` consecutive dp ranks shares out the experts (the ``ep`` group), the ranks
@@ -12,23 +12,27 @@ or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
    group is made (:func:`check_ep`): ``E`` divides ``D``, the model has MoE layers, each layer's
    expert count is divisible by ``E``.
 2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
-   every tp rank of a dp rank holds the same experts and routes the same tokens; sp, pp and
-   2D/2.5D/3D tp raise ``NotImplementedError``) and before DDP, :func:`apply_expert_parallel` swaps
-   each ``MoE`` for its local slice in place, then the optimizer is rebound by name.
+   every tp rank of a dp rank holds the same experts and routes the same tokens; sp and
+   2D/2.5D/3D tp raise ``ValueError`` in the plugin's constructor) and before the pipeline cuts
+   the model (so its stages capture the local experts) and before DDP or ZeRO,
+   :func:`apply_expert_parallel` swaps each ``MoE`` for its local slice in place, then the
+   optimizer is rebound by name.
 3. DDP ignores the expert parameters (under the wrapped module's names), so it averages dense
    gradients only; :class:`ExpertParallelOptimizer` calls :meth:`ExpertParallel.reduce_expert_gradients`
    once per step, before clipping and ``step``, and clips by the norm of the dense model (the
    non-expert gradients counted over tp as without ep, expert gradients summed over ``ep``).
    Gradient accumulation under ``no_sync`` keeps working: the expert reduction waits for ``step``.
+   Under pipeline parallelism the pipeline step averages the dense gradients over ``dp`` and
+   :class:`ExpertPipelineOptimizer` reduces the experts and clips over the whole world.
 4. State: the plugin's ``_to_portable`` / ``_to_local`` route expert names through
    :meth:`ExpertParallel.to_portable` / :meth:`ExpertParallel.to_local` (before the tensor-parallel
    routing), so model and optimizer checkpoints hold every expert under its dense name and load
    with any ``ep`` or in any other plugin.
-5. ZeRO 1/2 is refused with ep: ``colossal.zero.ZeroOptimizer`` takes one group, and its
-   reduce-scatter would average the expert gradients over all of ``dp`` (ranks holding different
-   experts), which is wrong; sharding expert states over ``edp`` needs a second engine.
+5. ZeRO 1/2: two engines, dense states over ``dp`` and expert states over ``edp``
+   (``[Note: ZeRO with expert parallelism]`` in :mod:`colossalai.booster.hybrid.ep_zero`).
 6. The Booster adds ``model.aux_loss()`` to the criterion's loss (``Booster(moe_aux_loss=True)``,
-   the default), whichever plugin runs.
+   the default), whichever plugin runs; under pipeline parallelism per stage
+   (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
 """
 
 from __future__ import annotations

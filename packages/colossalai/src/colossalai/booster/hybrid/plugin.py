@@ -106,10 +106,12 @@ class HybridParallelPlugin(Plugin):
     (``ep`` consecutive ranks share out each layer's experts; ``[Note: expert parallelism in the
     hybrid plugin]`` in :mod:`colossalai.booster.hybrid.ep`), dense parameters reduce over dp with
     DDP, expert gradients over ``edp`` before ``step``; checkpoints hold every expert under its
-    dense name.
+    dense name. With ``zero_stage`` 1/2 dense states shard over dp and expert states over ``edp``
+    (:mod:`colossalai.booster.hybrid.ep_zero`); with ``pp_size > 1`` the MoE aux losses are added
+    per stage (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
-    Booster refuses it when built); ``ep_size > 1`` with ``sp_size`` or ``pp_size`` above 1, with a
-    ``tp_mode`` other than 1d, or with ``zero_stage`` 1/2 (ep composes with DDP-style dp and 1D tp).
+    Booster refuses it when built). ``ep_size > 1`` with ``sp_size > 1`` or a ``tp_mode`` other
+    than 1d raises ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp and pp).
     """
 
     name = "hybrid"
