@@ -129,3 +129,36 @@ def _unsupported():
 
 def test_ep_with_sp_or_2d_tp_raises_value_error_before_any_collective():
     assert run_distributed(_unsupported, 2, timeout=60) == [True] * 2
+
+
+def _scheduler_reaches_both_engines():
+    from colossalai_harness import criterion, dataset
+
+    from colossalai import Booster, HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(tp_size=1, ep_size=2, zero_stage=2)
+    booster = Booster(plugin=plugin)
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0 if step < 1 else 0.0)
+    loader = booster.prepare_dataloader(dataset(), GLOBAL_BATCH // plugin.dp_size(), seed=0)
+    model, optim, _, loader, sched = booster.boost(model, optim, criterion, loader, sched)
+    params = lambda: [p.detach().clone() for p in model.unwrap().parameters()]  # noqa: E731
+    moved = []
+    for step, (x, y) in enumerate(loader):
+        if step == 2:
+            break
+        before = params()
+        booster.execute_pipeline((x, y), model, criterion, optim)
+        optim.step()
+        optim.zero_grad()
+        sched.step()
+        moved.append(sum(not torch.equal(a, b) for a, b in zip(before, params(), strict=True)))
+    total = len(before)
+    assert moved[0] == total, (moved, total)  # lr > 0: every parameter (dense and expert) moves
+    assert moved[1] == 0, moved  # the scheduler set lr = 0 on the user's optimizer: nothing moves
+    return moved
+
+
+def test_lr_scheduler_on_the_users_optimizer_drives_both_zero_engines():
+    run_distributed(_scheduler_reaches_both_engines, 2, timeout=120)
