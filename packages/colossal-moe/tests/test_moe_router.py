@@ -85,24 +85,3 @@ def test_jitter_only_in_training():
 def test_config_errors_name_values(kw, match):
     with pytest.raises(ValueError, match=match):
         MoEConfig(hidden=8, ffn_hidden=16, num_experts=4, **kw)
-
-
-def test_expert_major_order_equals_a_stable_sort_by_local_expert():
-    """The receiver's gather index computed from the counts equals the stable argsort by local
-    expert it replaces, for random counts with empty segments; ``permute``'s backward is the
-    inverse gather (equal to autograd through ``index_select``)."""
-    from colossal.moe.dispatch import expert_major_order, permute
-
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(100):
-        ep, el = (int(v) for v in torch.randint(1, 5, (2,), generator=gen))
-        recv = torch.randint(0, 4, (ep, el), generator=gen)
-        local = torch.arange(el).repeat(ep).repeat_interleave(recv.reshape(-1))
-        order = expert_major_order(recv)
-        assert torch.equal(order, torch.argsort(local, stable=True)), recv
-    x = torch.randn(order.numel(), 3, requires_grad=True)
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
-    g = torch.randn(order.numel(), 3)
-    (ours,) = torch.autograd.grad(permute(x, order, inverse), x, g)
-    (ref,) = torch.autograd.grad(x.index_select(0, order), x, g)
-    assert torch.equal(ours, ref)

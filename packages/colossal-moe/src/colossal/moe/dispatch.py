@@ -9,12 +9,9 @@ With ``ep`` ranks each holding ``E_local = E / ep`` consecutive experts (rank ``
 2. exchange the counts (an even all-to-all of ``E`` int64 per rank), so every rank knows how
    many rows each peer sends it for each of its experts;
 3. all-to-all the rows with uneven splits (``dispatch``); what arrives is ordered by source rank,
-   then local expert, so one gather makes each expert's rows contiguous (its index computed from
-   the counts, :func:`expert_major_order`, no sort);
-4. run the experts as grouped matmuls, gather back to arrival order, all-to-all back
-   (``combine``, the splits swapped), and scatter-add each row times its router weight into its
-   token. Both gathers are :func:`permute` (its backward is the inverse gather: no zero fill and
-   no scatter-add, unlike ``index_select``'s).
+   then local expert, so a stable sort by local expert makes each expert's rows contiguous;
+4. run the experts as grouped matmuls, undo the sort, all-to-all back (``combine``, the splits
+   swapped), and scatter-add each row times its router weight into its token.
 
 Both all-to-alls are autograd functions whose backward is the reverse all-to-all. Bytes per
 layer and rank (``b`` bytes per element, ``S`` rows sent, ``R`` rows received):
@@ -30,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 import colossal.comm as cc
 
-__all__ = ["all_to_all_uneven", "exchange_counts", "expert_major_order", "permute", "sort_by_expert"]
+__all__ = ["all_to_all_uneven", "exchange_counts", "sort_by_expert"]
 
 
 class _AllToAllUneven(torch.autograd.Function):
@@ -69,37 +66,3 @@ def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     ``rows[order]`` is grouped by ascending expert, keeping the original order within a group."""
     order = torch.argsort(expert, stable=True)
     return order, torch.bincount(expert, minlength=num_experts)
-
-
-def expert_major_order(recv: torch.Tensor) -> torch.Tensor:
-    """``recv`` (ep, E_local) rows each source sent to each local expert -> ``order`` (R,) such
-    that ``arrived[order]`` (arrival order: by source, then local expert) is ordered by local
-    expert, then source: what a stable sort by local expert gives, computed from the counts in
-    O(R) without sorting."""
-    counts = recv.reshape(-1).to(torch.int64)  # segments (source, expert) in arrival order
-    arrival_start = counts.cumsum(0) - counts
-    ep, el = recv.shape
-    em_counts = recv.t().reshape(-1).to(torch.int64)  # the same segments, expert-major
-    em_arrival_start = arrival_start.view(ep, el).t().reshape(-1)
-    em_start = em_counts.cumsum(0) - em_counts
-    total = int(counts.sum())
-    shift = torch.repeat_interleave(em_arrival_start - em_start, em_counts, output_size=total)
-    return torch.arange(total, device=recv.device) + shift
-
-
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, order, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, order)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
-def permute(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``x[order]`` for a permutation ``order`` whose inverse is ``inverse``; the backward is the
-    gather ``grad[inverse]``."""
-    return _Permute.apply(x, order, inverse)
