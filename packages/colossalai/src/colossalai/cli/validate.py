@@ -198,8 +198,6 @@ def _check_moe(args: argparse.Namespace, config, plugin, dp: int, name: str) -> 
         if ep > 1:
             raise UsageError(f"--ep-size {ep} needs a model with experts (--model moe-gpt), got --model {args.model}")
         return
-    if getattr(plugin, "pp_size", 1) > 1:
-        raise UsageError("--model moe-gpt does not run under pipeline parallelism yet (--pp-size 1)")
     if dp % ep:
         raise UsageError(f"--ep-size {ep} must divide the data-parallel size {dp}")
     if config.num_experts % ep:
