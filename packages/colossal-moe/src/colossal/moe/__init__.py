@@ -8,7 +8,7 @@ group, and the helpers that reduce expert and dense gradients over their own gro
 from colossal.moe.config import EXPERT_KINDS, MoEConfig
 from colossal.moe.dispatch import all_to_all_uneven, exchange_counts, sort_by_expert
 from colossal.moe.experts import MLPExperts, SwiGLUExperts, build_experts, grouped_mm
-from colossal.moe.layer import MoE, MoEStats, moe_aux_loss, moe_layers
+from colossal.moe.layer import MoE, MoEStats, attach_aux_loss, moe_aux_loss, moe_layers
 from colossal.moe.parallel import ExpertGroups, dense_parameters, expert_groups, expert_parameters, reduce_gradients
 from colossal.moe.router import Routing, TopKRouter, capacity, load_balancing_loss, router_z_loss
 
@@ -23,6 +23,7 @@ __all__ = [
     "SwiGLUExperts",
     "TopKRouter",
     "all_to_all_uneven",
+    "attach_aux_loss",
     "build_experts",
     "capacity",
     "dense_parameters",

@@ -15,7 +15,7 @@ from colossal.moe.dispatch import all_to_all_uneven, exchange_counts, sort_by_ex
 from colossal.moe.experts import build_experts
 from colossal.moe.router import Routing, TopKRouter
 
-__all__ = ["MoE", "MoEStats", "moe_layers", "moe_aux_loss"]
+__all__ = ["MoE", "MoEStats", "attach_aux_loss", "moe_layers", "moe_aux_loss"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,3 +169,31 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     ran). Add it to the task loss: ``loss = ce + moe_aux_loss(model)``."""
     losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``x``; its backward also seeds ``aux`` with the gradient ``weight``."""
+
+    @staticmethod
+    def forward(ctx, x, aux, weight, sink):
+        ctx.weight, ctx.sink, ctx.value = weight, sink, aux.detach()
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sink is not None:
+            ctx.sink.append(ctx.value)
+        return grad, torch.full_like(ctx.value, ctx.weight), None, None
+
+
+def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, weight: float = 1.0, sink: list | None = None) -> torch.Tensor:
+    """``x`` unchanged, but whatever backpropagates through it also backpropagates ``weight * aux``:
+    the gradient is that of a loss ``L + weight * aux`` although ``aux`` never reaches ``L``.
+
+    This is how an auxiliary loss of a layer on one pipeline stage enters training when the loss
+    is computed on another stage: attach it to the layer's output, and the stage's backward of
+    that micro-batch carries it (``weight``: the micro-batch's share of the step loss, times a
+    loss scale if any). Each backward appends the detached ``aux`` to ``sink`` (when given), so the
+    caller can report the aux losses that were actually trained on.
+    """
+    return _AuxLossGrad.apply(x, aux, float(weight), sink)

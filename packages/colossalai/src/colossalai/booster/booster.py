@@ -16,9 +16,14 @@ holding them) keeps each layer's weighted load-balancing and z-loss from its las
 :class:`MoEAuxLoss` (``criterion(out, y) + colossal.moe.moe_aux_loss(model)``) and
 ``execute_pipeline`` wraps whatever criterion it is given the same way (never twice), so the
 training loss includes them under every plugin. ``moe_aux_loss=False``: the criterion is left as
-it is and the user adds ``model.unwrap().aux_loss()`` (or ``moe_aux_loss``) to the loss. Not yet
-with pipeline parallelism (the last stage's criterion does not see the other stages' layers):
-``boost`` raises ``NotImplementedError`` unless ``moe_aux_loss=False``.
+it is and the user adds ``model.unwrap().aux_loss()`` (or ``moe_aux_loss``) to the loss.
+Under pipeline parallelism the last stage's criterion cannot see the other stages' layers, so the
+aux losses are added *per stage* instead: the plugin attaches each MoE layer's aux loss of each
+micro-batch to that layer's output (``colossal.moe.attach_aux_loss``, weight ``1 / m`` for ``m``
+micro-batches, times the fp16 loss scale), so the stage's backward of the micro-batch
+backpropagates it, and ``execute_pipeline`` returns the criterion's loss plus every stage's aux
+losses (summed over pp): the same loss and gradients as ``criterion + moe_aux_loss`` over the
+micro-batches of one process. ``moe_aux_loss=False`` leaves the pipeline's loss alone there too.
 """
 
 from __future__ import annotations
@@ -133,15 +138,12 @@ class Booster:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if self.moe_aux_loss and getattr(self.plugin, "pp_size", 1) > 1 and _has_moe(model):
-            raise NotImplementedError(
-                f"{self.plugin!r}: the MoE auxiliary losses are not added under pipeline parallelism yet; "
-                "pass Booster(moe_aux_loss=False) and add them yourself, or use pp_size=1"
-            )
         with torch.profiler.record_function("colossalai.booster::configure"):
             wrapped, optimizer = self.plugin.configure(model, optimizer, self.precision)
         original = self.plugin.unwrap(wrapped)
-        if self.moe_aux_loss and _has_moe(original):
+        if self.moe_aux_loss and _has_moe(original) and getattr(self.plugin, "pp_size", 1) > 1:
+            self.plugin.add_moe_aux_losses(original)  # per stage (the note)
+        elif self.moe_aux_loss and _has_moe(original):
             self._moe_model = original
             criterion = MoEAuxLoss(criterion, original) if criterion is not None else None
         # A plugin whose engine casts and scales itself gets no autocast and no loss scaler here.

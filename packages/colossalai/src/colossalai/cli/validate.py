@@ -14,8 +14,8 @@ conversion time, restated here for the built-in GPT), against the pipeline (``n_
 by ``pp_size * pp_virtual`` for the uniform partition, the batch per data-parallel rank by
 ``--microbatches``, which ``interleaved`` needs divisible by ``pp_size``) and, for
 ``--model moe-gpt``, against the expert split (``--ep-size`` dividing the data-parallel size and
-every MoE layer's experts; ep composes with dp only); the processes against the cores (a warning)
-and the GPUs (an error).
+every MoE layer's experts; ep composes with dp, ZeRO 1/2, 1D tp and pp); the processes against
+the cores (a warning) and the GPUs (an error).
 """
 
 from __future__ import annotations
@@ -198,8 +198,6 @@ def _check_moe(args: argparse.Namespace, config, plugin, dp: int, name: str) -> 
         if ep > 1:
             raise UsageError(f"--ep-size {ep} needs a model with experts (--model moe-gpt), got --model {args.model}")
         return
-    if getattr(plugin, "pp_size", 1) > 1:
-        raise UsageError("--model moe-gpt does not run under pipeline parallelism yet (--pp-size 1)")
     if dp % ep:
         raise UsageError(f"--ep-size {ep} must divide the data-parallel size {dp}")
     if config.num_experts % ep:

@@ -1,9 +1,9 @@
 """Expert parallelism for the Booster: shard every MoE layer's experts over an ``ep`` group,
 reduce expert gradients over their own group, and keep checkpoints in dense form.
 
-This is the colossalai-side piece that ``HybridParallelPlugin(ep_size=...)`` composes with DDP
-or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
-``HybridParallelPlugin(ep_size=E)`` composes this module with DDP and 1D tensor parallelism:
+[Note: expert parallelism in the hybrid plugin]
+``HybridParallelPlugin(ep_size=E)`` composes this module with DDP or ZeRO 1/2, 1D tensor
+parallelism and pipeline parallelism:
 
 1. Groups: the plugin's ``dp`` group (``D`` ranks) is split into ``edp x ep`` with ``ep`` inner:
    each run of ``E`` consecutive dp ranks shares out the experts (the ``ep`` group), the ranks
@@ -12,23 +12,27 @@ or ZeRO (see ``[Note: expert parallelism in the hybrid plugin]
    group is made (:func:`check_ep`): ``E`` divides ``D``, the model has MoE layers, each layer's
    expert count is divisible by ``E``.
 2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
-   every tp rank of a dp rank holds the same experts and routes the same tokens; sp, pp and
-   2D/2.5D/3D tp raise ``NotImplementedError``) and before DDP, :func:`apply_expert_parallel` swaps
-   each ``MoE`` for its local slice in place, then the optimizer is rebound by name.
+   every tp rank of a dp rank holds the same experts and routes the same tokens; sp and
+   2D/2.5D/3D tp raise ``ValueError`` in the plugin's constructor) and before the pipeline cuts
+   the model (so its stages capture the local experts) and before DDP or ZeRO,
+   :func:`apply_expert_parallel` swaps each ``MoE`` for its local slice in place, then the
+   optimizer is rebound by name.
 3. DDP ignores the expert parameters (under the wrapped module's names), so it averages dense
    gradients only; :class:`ExpertParallelOptimizer` calls :meth:`ExpertParallel.reduce_expert_gradients`
    once per step, before clipping and ``step``, and clips by the norm of the dense model (the
    non-expert gradients counted over tp as without ep, expert gradients summed over ``ep``).
    Gradient accumulation under ``no_sync`` keeps working: the expert reduction waits for ``step``.
+   Under pipeline parallelism the pipeline step averages the dense gradients over ``dp`` and
+   :class:`ExpertPipelineOptimizer` reduces the experts and clips over the whole world.
 4. State: the plugin's ``_to_portable`` / ``_to_local`` route expert names through
    :meth:`ExpertParallel.to_portable` / :meth:`ExpertParallel.to_local` (before the tensor-parallel
    routing), so model and optimizer checkpoints hold every expert under its dense name and load
    with any ``ep`` or in any other plugin.
-5. ZeRO 1/2 is refused with ep: ``colossal.zero.ZeroOptimizer`` takes one group, and its
-   reduce-scatter would average the expert gradients over all of ``dp`` (ranks holding different
-   experts), which is wrong; sharding expert states over ``edp`` needs a second engine.
+5. ZeRO 1/2: two engines, dense states over ``dp`` and expert states over ``edp``
+   (``[Note: ZeRO with expert parallelism]`` in :mod:`colossalai.booster.hybrid.ep_zero`).
 6. The Booster adds ``model.aux_loss()`` to the criterion's loss (``Booster(moe_aux_loss=True)``,
-   the default), whichever plugin runs.
+   the default), whichever plugin runs; under pipeline parallelism per stage
+   (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
 """
 
 from __future__ import annotations
@@ -44,9 +48,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossal.comm import all_gather, all_reduce
 from colossal.moe import ExpertGroups, MoE, expert_groups, moe_layers
-from colossalai.booster.hybrid.shards import TensorParallelOptimizer
+from colossalai.booster.hybrid.pp import PipelineOptimizer
+from colossalai.booster.hybrid.shards import TensorParallelOptimizer, multiplicity
 
-__all__ = ["ExpertParallel", "ExpertParallelOptimizer", "apply_expert_parallel", "check_ep"]
+__all__ = [
+    "ExpertParallel",
+    "ExpertParallelOptimizer",
+    "ExpertPipelineOptimizer",
+    "apply_expert_parallel",
+    "check_ep",
+    "expert_free_replicas",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +74,11 @@ class ExpertParallel:
     def expert_param_names(self) -> list[str]:
         """Names of the parameters split over ``ep`` (DDP must ignore them)."""
         return list(self.dense_shapes)
+
+    def expert_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """``model``'s expert parameters (under pipeline parallelism other stages' are meta)."""
+        params = dict(model.named_parameters())
+        return [params[n] for n in self.dense_shapes]
 
     def reduce_expert_gradients(self, model: nn.Module) -> None:
         """Expert gradients summed over ``edp`` and divided by the dp size (the mean-loss
@@ -215,6 +232,82 @@ class ExpertParallelOptimizer(TensorParallelOptimizer):
             if not found_inf:
                 self.optim.step(*args, **kwargs)
             self._unscaled = False
+        finally:
+            self._reduced = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (a new step's expert gradients are not reduced yet)."""
+        self._reduced = False
+        super().zero_grad(set_to_none)
+
+
+def expert_free_replicas(model: nn.Module, ep: ExpertParallel, dense_shapes, tp_size: int, pipe=None) -> dict[int, int]:
+    """Parameter id -> how many ranks of the tp (pipeline: pp x tp) group hold each element of
+    it, for every non-expert parameter this rank holds (the tied embedding's two pipeline copies
+    count twice); experts are left out (their local shape is not a tp block of the dense one)."""
+    if pipe is None:
+        named = [(n, p) for n, p in model.named_parameters() if n not in ep.dense_shapes]
+        return {id(p): multiplicity(p, dense_shapes[n], tp_size) for n, p in named}
+    named = dict(pipe.named_parameters())
+    tied = {id(named[n]) for n in pipe.tied_names}
+    return {
+        id(p): multiplicity(p, dense_shapes[n], tp_size) * (2 if id(p) in tied else 1)
+        for n, p in named.items()
+        if n not in ep.dense_shapes
+    }
+
+
+class ExpertPipelineOptimizer(PipelineOptimizer):
+    """The hybrid plugin's optimizer under pipeline x expert parallelism (DDP-style dp): the
+    pipeline step averaged the dense gradients over ``dp``; the expert gradients are reduced over
+    ``edp`` here, once per step (before clipping and ``step``). Clipping uses the norm of the
+    dense model over the whole world, each element weighted by ``c^(-1/p)`` where ``c`` is the
+    number of ranks holding an equal copy of it (dense: ``dp`` times its pp x tp ``replicas``;
+    experts: ``edp x tp``), so every element counts once. fp16's overflow check spans the world."""
+
+    def __init__(
+        self, optimizer, model: nn.Module, ep: ExpertParallel, replicas, dp_size: int, tp_size: int, scaler=None
+    ) -> None:
+        super().__init__(optimizer, replicas, None, scaler)  # None: the world
+        self.model, self.ep = model, ep
+        self.expert_ids = {id(p) for p in ep.expert_parameters(model)}
+        self.dense_copies, self.expert_copies = dp_size, (dp_size // ep.groups.ep_size) * tp_size
+        self._reduced = False
+
+    def _reduce_experts(self) -> None:
+        if not self._reduced:
+            self.ep.reduce_expert_gradients(self.model)
+            self._reduced = True
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Reduce the expert gradients, then clip every gradient by the dense model's norm."""
+        from colossal.optim import grad_norm
+
+        self._reduce_experts()
+        self._unscale()
+        p = float(norm_type)
+        grads = []
+        for param in self.params:
+            if param.grad is None:
+                continue
+            if id(param) in self.expert_ids:
+                c = self.expert_copies
+            else:
+                c = self.dense_copies * self.replicas.get(id(param), 1)
+            grads.append(param.grad if c == 1 or p == float("inf") else param.grad * c ** (-1.0 / p))
+        total = grad_norm(grads, p, group=None)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.device))
+        return total
+
+    def step(self, *args, **kwargs) -> None:
+        """Reduce the expert gradients (unless ``clip_grad_norm`` did), then step (fp16: skipped
+        on every rank when any rank's gradients overflowed)."""
+        self._reduce_experts()
+        try:
+            return super().step(*args, **kwargs)
         finally:
             self._reduced = False
 

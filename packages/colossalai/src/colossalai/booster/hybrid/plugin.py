@@ -13,10 +13,12 @@ averaged over ``dp`` (times ``sp``) by DDP.
 [Note: the order of the axes]
 ``configure`` applies the axes in one order: materialise (under pp only this rank's stages,
 ``[Note: meta construction under pp]`` in :mod:`.pp`), tensor parallel (:mod:`.tp` layers
-convert the dense modules), sequence parallel (wraps the converted model), pipeline parallel
-(:mod:`.pp` cuts the converted model into this rank's stages, so tp layers are split whole), expert
-parallel (:mod:`.ep` swaps each MoE layer for this rank's experts, before the optimizer is rebound
-by name), then data parallel last (DDP or ZeRO wrap exactly the parameters this rank keeps).
+convert the dense modules), sequence parallel (wraps the converted model), expert parallel
+(:mod:`.ep` swaps each MoE layer for this rank's experts, before the pipeline captures its stages'
+parameters and before the optimizer is rebound by name), pipeline parallel (:mod:`.pp` cuts the
+converted model into this rank's stages, so tp layers are split whole), then data parallel last
+(DDP or ZeRO wrap exactly the parameters this rank keeps; with ep, ZeRO is two engines,
+:mod:`.ep_zero`).
 
 [Note: tensor-parallel state in checkpoints]
 A 1D-parallel parameter is an even split, in rank order, of the dense parameter along one
@@ -41,7 +43,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.hybrid.dp import apply_ddp, dp_group
-from colossalai.booster.hybrid.ep import ExpertParallel, ExpertParallelOptimizer, apply_expert_parallel, check_ep
+from colossalai.booster.hybrid.ep import (
+    ExpertParallel,
+    ExpertParallelOptimizer,
+    ExpertPipelineOptimizer,
+    apply_expert_parallel,
+    check_ep,
+    expert_free_replicas,
+)
+from colossalai.booster.hybrid.ep_zero import ExpertZeroOptimizer
 from colossalai.booster.hybrid.pp import (
     SCHEDULES,
     PipelineModule,
@@ -99,10 +109,12 @@ class HybridParallelPlugin(Plugin):
     (``ep`` consecutive ranks share out each layer's experts; ``[Note: expert parallelism in the
     hybrid plugin]`` in :mod:`colossalai.booster.hybrid.ep`), dense parameters reduce over dp with
     DDP, expert gradients over ``edp`` before ``step``; checkpoints hold every expert under its
-    dense name.
+    dense name. With ``zero_stage`` 1/2 dense states shard over dp and expert states over ``edp``
+    (:mod:`colossalai.booster.hybrid.ep_zero`); with ``pp_size > 1`` the MoE aux losses are added
+    per stage (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
-    Booster refuses it when built); ``ep_size > 1`` with ``sp_size`` or ``pp_size`` above 1, with a
-    ``tp_mode`` other than 1d, or with ``zero_stage`` 1/2 (ep composes with DDP-style dp and 1D tp).
+    Booster refuses it when built). ``ep_size > 1`` with ``sp_size > 1`` or a ``tp_mode`` other
+    than 1d raises ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp and pp).
     """
 
     name = "hybrid"
@@ -137,14 +149,13 @@ class HybridParallelPlugin(Plugin):
         if pp_schedule not in SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {pp_schedule!r}")
         check_layout(tp_size, tp_mode, tp_depth)
-        if ep_size > 1:
-            others = {"sp_size": sp_size, "pp_size": pp_size, "zero_stage": zero_stage}
-            bad = {k: v for k, v in others.items() if v != (0 if k == "zero_stage" else 1)}
+        if ep_size > 1:  # see [Note: expert parallelism in the hybrid plugin] for what composes
+            bad = {"sp_size": sp_size} if sp_size > 1 else {}
             bad |= {"tp_mode": repr(tp_mode)} if tp_size > 1 and tp_mode != "1d" else {}
             if bad:
-                raise NotImplementedError(
-                    f"ep_size={ep_size} composes with data parallelism (DDP) and 1D tensor parallelism only "
-                    f"(sp_size=1, pp_size=1, zero_stage=0), got {', '.join(f'{k}={v}' for k, v in bad.items())}"
+                raise ValueError(
+                    f"ep_size={ep_size} composes with dp (DDP or zero_stage 1/2), 1D tp and pp, not with "
+                    f"{', '.join(f'{k}={v}' for k, v in bad.items())} (unsupported combination)"
                 )
         self.ep_size = ep_size
         self._ep: ExpertParallel | None = None  # what apply_expert_parallel did (ep_size > 1)
@@ -153,6 +164,8 @@ class HybridParallelPlugin(Plugin):
         self.num_microbatches = num_microbatches or pp_size
         self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
         self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline
+        self._aux_sink: list | None = None  # pp: MoE aux losses backpropagated this step (add_moe_aux_losses)
+        self._aux_weight = 1.0
         self.sp_size, self.sp_kind, self.zero_stage = sp_size, sp_kind, zero_stage
         self._zero, self._zero_names = None, []  # ZeroOptimizer over dp (x sp), its index -> name
         self.mesh = None
@@ -224,12 +237,12 @@ class HybridParallelPlugin(Plugin):
                 gather = wrapped.gather
             if self.sp_size > 1:  # 2. sp: attention over sequence chunks, on the (tp) layers
                 wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes)
-            if self.pp_size > 1:  # 3. pp cuts the converted model into this rank's stages
+            if self.ep_size > 1:  # 3. ep swaps each MoE for this rank's experts (before pp captures them)
+                self._ep = apply_expert_parallel(model, self.ep_size, dp_group(mesh, self.sp_size), wrapped)
+            if self.pp_size > 1:  # 4. pp cuts the converted model into this rank's stages
                 sp = mesh.group("sp") if self.sp_size > 1 else None
                 self._pipe = apply_pp(model, mesh, pp_cfg, gather=gather, sp=sp, device=self.device)
                 wrapped = PipelineModule(model, self._pipe)
-            if self.ep_size > 1:  # 4. ep swaps each MoE for this rank's experts (before the optimizer rebinds)
-                self._ep = apply_expert_parallel(model, self.ep_size, dp_group(mesh, self.sp_size), wrapped)
         rebind_optimizer(optimizer, names, model)
         if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
             for group in optimizer.param_groups:
@@ -245,6 +258,11 @@ class HybridParallelPlugin(Plugin):
         """The optimizer view that clips by the dense norm: over tp (or sp), or over pp x tp."""
         if optimizer is None:
             return None
+        if self._pipe is not None and self._ep is not None:  # experts: see ExpertPipelineOptimizer
+            replicas = expert_free_replicas(model, self._ep, self._dense_shapes, self.tp_size, self._pipe)
+            self._scaler = _fp16_scaler() if precision is Precision.FP16 else None
+            dp, tp = self.dp_size(), self.tp_size
+            return ExpertPipelineOptimizer(optimizer, model, self._ep, replicas, dp, tp, self._scaler)
         if self._pipe is not None:
             replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
             norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
@@ -277,17 +295,61 @@ class HybridParallelPlugin(Plugin):
                 loss = self._pipe.step(x, y, criterion)
             # the first backward outside no_sync reduces what the micro-batches accumulated
             torch.stack([p.reshape(-1)[0] for p in self._pipe.parameters()]).sum().mul(0.0).backward()
-            return loss
+            aux = self._stage_aux_losses()  # MoE aux losses of every stage (Booster(moe_aux_loss=True))
+            return loss if aux is None else loss + aux.to(loss.device)
         scaler = self._scaler
         loss_fn = criterion if scaler is None else (lambda out, target: scaler.scale_loss(criterion(out, target)))
         with ctx:
             loss = self._pipe.step(x, y, loss_fn)
-        average_over_dp(list(self._pipe.parameters()), dp_group(self.mesh, self.sp_size))  # dp (x sp)
-        return loss if scaler is None else loss / scaler.scale
+        params = list(self._pipe.parameters())
+        if self._ep is not None:  # experts reduce over edp once per step, in the optimizer
+            experts = {id(p) for p in self._ep.expert_parameters(self.unwrap(model))}
+            params = [p for p in params if id(p) not in experts]
+        average_over_dp(params, dp_group(self.mesh, self.sp_size))  # dp (x sp)
+        loss = loss if scaler is None else loss / scaler.scale
+        aux = self._stage_aux_losses()  # MoE aux losses of every stage (Booster(moe_aux_loss=True))
+        return loss if aux is None else loss + aux.to(loss.device)
+
+    def add_moe_aux_losses(self, model: nn.Module) -> None:
+        """Pipeline parallelism: every MoE layer on this rank's stages adds its aux loss of each
+        micro-batch through its output (``[Note: MoE auxiliary losses]`` in
+        :mod:`colossalai.booster.booster`); ``execute_pipeline`` then reports it in the loss."""
+        from colossal.moe import attach_aux_loss, moe_layers
+
+        if self._pipe is None:
+            raise RuntimeError("add_moe_aux_losses is for pp_size > 1, after boost")
+        m = self.num_microbatches if self._pipe.config.loss_reduction == "mean" else 1
+
+        def attach(layer, args, out):
+            if layer.aux_loss is None or not torch.is_grad_enabled():
+                return out
+            scale = self._scaler.scale if self._scaler is not None else 1.0
+            return attach_aux_loss(out, layer.aux_loss, scale / m, self._aux_sink)
+
+        for layer in moe_layers(model):
+            if not layer.router.gate.weight.is_meta:  # this rank's stages only
+                layer.register_forward_hook(attach)
+        self._aux_sink, self._aux_weight = [], 1.0 / m
+
+    def _stage_aux_losses(self) -> torch.Tensor | None:
+        """The aux losses every stage backpropagated in the last pipeline step, weighted as in the
+        loss and summed over pp (``None`` unless :meth:`add_moe_aux_losses` ran). Collective over pp."""
+        if self._aux_sink is None:
+            return None
+        from colossal.comm import all_reduce
+
+        local = torch.stack(self._aux_sink).float().sum() if self._aux_sink else torch.zeros(())
+        local = (local * self._aux_weight).to(self.device)
+        self._aux_sink.clear()
+        return all_reduce(local, group=self.mesh.group("pp"), tag="hybrid.pp.moe_aux")
 
     def _zero_optimizer(self, model: nn.Module, optimizer, group) -> HybridZeroOptimizer:
         """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp),
         under pp over every stage too (ZeRO then sees this rank's stages only)."""
+        if self._ep is not None:  # dense over dp, experts over edp: [Note: ZeRO with expert parallelism]
+            replicas = expert_free_replicas(model, self._ep, self._dense_shapes, self.tp_size, self._pipe)
+            self._zero = ExpertZeroOptimizer(optimizer, model, self._ep, self.zero_stage, group, replicas, self.tp_size)
+            return self._zero
         target = stage_view(model) if self._pipe is not None else model
         self._zero, self._zero_names = zero_engine(target, optimizer, self.zero_stage, group)
         if self._pipe is not None:
@@ -345,6 +407,9 @@ class HybridParallelPlugin(Plugin):
         """Copy this rank's block of each loaded tensor into the parameter."""
         module = self.unwrap(model)
         params = dict(module.named_parameters(remove_duplicate=False))
+        if isinstance(self._zero, ExpertZeroOptimizer):  # takes what this rank holds
+            local = {n: self._to_local(n, t) if n in params else t for n, t in state.items()}
+            return self._zero.load_full_model_state_dict(local)
         if self._zero is not None:
             local = {n: self._to_local(n, t) if n in params else t for n, t in state.items()}
             return self._zero.load_full_model_state_dict({n: local[n] for n in self._zero.module.state_dict()})
@@ -375,7 +440,9 @@ class HybridParallelPlugin(Plugin):
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """torch's name-keyed optimizer state with parameter-shaped entries made portable."""
-        if self._zero is not None:
+        if isinstance(self._zero, ExpertZeroOptimizer):
+            sd = self._zero.named_state_dict()
+        elif self._zero is not None:
             sd = zero_optimizer_state(self._zero, self._zero_names)
         else:
             sd = super().optimizer_state_dict(self.unwrap(model), optimizer)
@@ -393,6 +460,8 @@ class HybridParallelPlugin(Plugin):
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     entry[k] = self._to_local(name, v)
+        if isinstance(self._zero, ExpertZeroOptimizer):
+            return self._zero.load_named_state_dict(state)
         if self._zero is not None:
             return load_zero_optimizer(self._zero, self._zero_names, state)
         super().load_optimizer_state_dict(self.unwrap(model), optimizer, state)
