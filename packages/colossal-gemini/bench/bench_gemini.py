@@ -6,7 +6,9 @@ One process per configuration (a fresh interpreter each, so nothing leaks betwee
    (b) colossal-zero stage 3 + static CPU offload, (c) Gemini static, (d) Gemini auto;
 2. at the largest size Gemini auto trains: step time and bytes moved per step for (b)-(d) and
    the Belady optimum on the same trace and budget;
-3. with a budget that holds everything: Gemini auto step time over plain PyTorch (hook overhead).
+3. with a budget that holds everything, at every width: Gemini auto step time over plain PyTorch
+   (hook overhead), fresh processes alternating plain/Gemini ``--repeat`` times, the median of each,
+   wall time and process CPU time (on a shared machine other processes stretch wall time, not CPU time).
 
 On a CPU-only machine the "device" is the CPU with an accounted budget. (a) and (b) keep no
 accounting of their own: their device need is computed with the same rule Gemini accounts by
@@ -15,6 +17,8 @@ process): (a) fp32 params + grads + Adam moments; (b) fp32 working params (1 ran
 them; gradients and optimizer states are offloaded). (c)/(d) are Gemini's own accounting, enforced.
 
     python packages/colossal-gemini/bench/bench_gemini.py --budget-mib 16 --widths 128 256 384 512
+    python packages/colossal-gemini/bench/bench_gemini.py --roomy-only --layers 8 --steps 8 --repeat 5 \
+        --widths 128 256 384 512 768
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -58,13 +63,15 @@ def _non_model_peak(model, batch) -> int:
     return peak
 
 
-def _timed(step, batches) -> float:
+def _timed(step, batches) -> tuple[float, float]:
+    """Wall and process-CPU seconds per step, after 2 untimed steps."""
     for x, y in batches[:2]:  # warm-up (Gemini traces) and the first placed step (moves chunks into place)
         step(x, y)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for x, y in batches[2:]:
         step(x, y)
-    return (time.perf_counter() - start) / (len(batches) - 2)
+    n = len(batches) - 2
+    return (time.perf_counter() - start) / n, (time.process_time() - cpu) / n
 
 
 def run_plain(args) -> dict:
@@ -80,7 +87,8 @@ def run_plain(args) -> dict:
         opt.step()
         opt.zero_grad()
 
-    return {"params": n, "device_need": need, "fits": need <= args.budget, "step_s": _timed(step, batches)}
+    t, cpu = _timed(step, batches)
+    return {"params": n, "device_need": need, "fits": need <= args.budget, "step_s": t, "step_cpu_s": cpu}
 
 
 def run_zero(args) -> dict:
@@ -105,7 +113,7 @@ def run_zero(args) -> dict:
         opt.step()
         opt.zero_grad()
 
-    t = _timed(step, batches)
+    t, _ = _timed(step, batches)
     handle.remove()
     return {
         "params": n,
@@ -132,7 +140,7 @@ def run_gemini(args) -> dict:
             opt.backward(lm_loss(gem(x), y))
             opt.step()
 
-        t = _timed(step, batches)
+        t, cpu = _timed(step, batches)
     except BudgetExceededError as exc:
         return {"params": n, "fits": False, "note": str(exc)[:160]}
     s = gem.stats
@@ -140,6 +148,7 @@ def run_gemini(args) -> dict:
         "params": n,
         "fits": s.peak_device_bytes <= args.budget,
         "step_s": t,
+        "step_cpu_s": cpu,
         "bytes_per_step": s.bytes_moved,
         "belady_bytes": s.belady_bytes,
         "peak_device": s.peak_device_bytes,
@@ -198,8 +207,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--roomy-width", type=int, default=0, help="model width of the hook-overhead run")
-    p.add_argument("--repeat", type=int, default=3, help="alternating repeats of the hook-overhead runs")
+    p.add_argument("--roomy-width", type=int, default=0, help="hook-overhead run at this width only")
+    p.add_argument("--repeat", type=int, default=3, help="alternating repeats of the hook-overhead runs (median)")
     p.add_argument("--roomy-only", action="store_true", help="only the hook-overhead comparison")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--placement", default="auto", help=argparse.SUPPRESS)
@@ -250,23 +259,38 @@ def _report(results, kinds, budget, args) -> None:
             f"{'Belady optimum':22s} {'':8s}    {r['belady_bytes'] / 2**20:10.2f} MiB  "
             f"(auto/optimum = {r['bytes_per_step'] / max(r['belady_bytes'], 1):.2f})"
         )
-    small = args.roomy_width or min(args.widths)
-    runs = [(k, _spawn(k, small, 2**34, args)) for _ in range(args.repeat) for k in ("plain", "auto")]  # alternate
-    roomy = {k: min((r for kk, r in runs if kk == k), key=lambda r: r["step_s"]) for k in ("plain", "auto")}
-    ratio = roomy["auto"]["step_s"] / roomy["plain"]["step_s"]
-    print(
-        f"\nbudget holding everything, width {small}: Gemini auto / PyTorch step time = {ratio:.2f} "
-        f"(best of {args.repeat} alternating runs each)"
-    )
+    roomy = _roomy(args)
     out = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_gemini.json").write_text(
-        json.dumps(
-            {"budget": budget, "args": vars(args), "results": results, "roomy": roomy, "overhead_ratio": ratio},
-            indent=1,
-            default=str,
-        )
+        json.dumps({"budget": budget, "args": vars(args), "results": results, "roomy": roomy}, indent=1, default=str)
     )
+
+
+def _roomy(args) -> dict:
+    """Hook overhead: Gemini auto vs plain PyTorch with a budget that holds everything, per width."""
+    widths = [args.roomy_width] if args.roomy_width else args.widths
+    print(
+        f"\nbudget holding everything (n_layer={args.layers}, batch {args.batch}x{args.seq}, {args.steps - 2} timed "
+        f"steps): median of {args.repeat} alternating fresh processes each"
+    )
+    print(f"{'width':>6s} {'params':>12s} {'plain ms':>9s} {'gemini ms':>10s} {'wall ratio':>11s} {'cpu ratio':>10s}")
+    table = {}
+    for w in widths:
+        runs = [(k, _spawn(k, w, 2**40, args)) for _ in range(args.repeat) for k in ("plain", "auto")]  # alternate
+        med = {
+            k: {m: statistics.median(r[m] for kk, r in runs if kk == k) for m in ("step_s", "step_cpu_s")}
+            for k in ("plain", "auto")
+        }
+        wall = med["auto"]["step_s"] / med["plain"]["step_s"]
+        cpu = med["auto"]["step_cpu_s"] / med["plain"]["step_cpu_s"]
+        params = runs[0][1]["params"]
+        print(
+            f"{w:>6d} {params:>12,d} {med['plain']['step_s'] * 1e3:>9.1f} {med['auto']['step_s'] * 1e3:>10.1f} "
+            f"{wall:>10.2f}x {cpu:>9.2f}x"
+        )
+        table[w] = {"params": params, "median": med, "wall_ratio": wall, "cpu_ratio": cpu}
+    return table
 
 
 if __name__ == "__main__":

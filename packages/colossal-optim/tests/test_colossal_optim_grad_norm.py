@@ -189,3 +189,21 @@ def test_bad_arguments():
         clip_grad_norm_([torch.ones(2)], -1.0)
     with pytest.raises(TypeError, match="sparse"):
         grad_norm([torch.ones(2).to_sparse()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_has_inf_or_nan_single_process(dtype):
+    """Agrees with ``isfinite`` element by element, including finite tensors whose sum overflows (the
+    fast sum check must fall back to the elements) and infinities of both signs that sum to NaN."""
+    big = torch.finfo(dtype).max
+    cases = [
+        ([torch.randn(7, 5).to(dtype), torch.randn(13).to(dtype)], False),
+        ([torch.full((4,), big, dtype=dtype)], False),  # finite, the sum overflows
+        ([torch.randn(6).to(dtype), torch.tensor([1.0, math.inf, 2.0], dtype=dtype)], True),
+        ([torch.tensor([math.inf, -math.inf], dtype=dtype)], True),
+        ([torch.tensor([0.0, math.nan], dtype=dtype), torch.zeros(0, dtype=dtype)], True),
+        ([torch.zeros(0, dtype=dtype)], False),
+    ]
+    for tensors, want in cases:
+        assert want == (not all(bool(t.isfinite().all()) for t in tensors))
+        assert has_inf_or_nan(tensors) is want

@@ -14,7 +14,7 @@ from colossalai.cli.main import build_parser
 
 HYBRID = ["--plugin", "hybrid"]
 BAD_TRAIN = [
-    (["--nproc", "64"], "--batch-size 4 must be divisible by the data-parallel size 64"),
+    (["--nproc", "64"], "--batch-size 8 must be divisible by the data-parallel size 64"),
     ([*HYBRID, "--tp-size", "3", "--nproc", "1"], "tp 3 = 3 processes per model replica must divide the world size 1"),
     (["--nproc", "0"], "--nproc must be >= 1, got 0"),
     (["--tp-size", "2"], "--tp-size applies to --plugin hybrid, got --plugin gemini"),
@@ -39,7 +39,7 @@ BAD_TRAIN = [
     (["--plugin", "fsdp", "--precision", "fp16"], "--plugin fsdp supports --precision fp32, bf16; got fp16"),
     (["--plugin", "gemini", "--device-budget", "2XB"], "--device-budget must look like '2GiB'"),
     (["--plugin", "gemini", "--device-budget", "0"], "device_memory_budget must be a positive byte count"),
-    (["--corpus-bytes", "100"], "--corpus-bytes 100 holds 0 windows of 128 tokens"),
+    (["--corpus-bytes", "100"], "--corpus-bytes 100 holds 1 windows of 64 tokens"),
     (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: no such checkpoint folder"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
@@ -72,7 +72,7 @@ BAD_TRAIN = [
     ),
     (
         [*HYBRID, "--pp-size", "2", "--microbatches", "3", "--nproc", "2"],
-        "batch per data-parallel rank 4 must be divisible by --microbatches (= 3)",
+        "batch per data-parallel rank 8 must be divisible by --microbatches (= 3)",
     ),
 ]
 
@@ -159,6 +159,6 @@ def test_entry_point_exits_2_at_once_without_spawning():
         [sys.executable, "-m", "colossalai.cli", "train", "--nproc", "64"], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 2 and proc.stdout == "", proc
-    expected = "--batch-size 4 must be divisible by the data-parallel size 64 (world 64 / 1 per replica)"
+    expected = "--batch-size 8 must be divisible by the data-parallel size 64 (world 64 / 1 per replica)"
     assert proc.stderr.splitlines() == [f"colossalai train: error: {expected}"]
     assert time.perf_counter() - start < 60  # import time only (a few seconds idle), no ranks

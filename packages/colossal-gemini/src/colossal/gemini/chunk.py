@@ -62,6 +62,10 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
 
 
 _BUSY = (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD)
+# the same table as tuples keyed by the member's value: membership by identity and a str hash, no
+# Enum.__hash__ (the gradient hooks check a transition per parameter per step)
+_ALLOWED: dict[str, tuple[TensorState, ...]] = {s.value: tuple(t) for s, t in _LEGAL.items()}
+_READY = TensorState.READY_FOR_REDUCE
 
 
 class ChunkState(enum.Enum):
@@ -119,6 +123,7 @@ class Chunk:
         self.states_accounted = False  # optimizer states charged to o_tier (after the first step)
         self.pins = 0  # modules recomputing their forward inside backward (activation checkpointing)
         self.saved = 0  # live views of the payload saved by autograd (GeminiDDP's saved-tensor hooks)
+        self.n_ready = 0  # tensors in READY_FOR_REDUCE (kept by transition(): ready_for_reduce without a scan)
 
     # -- packing ---------------------------------------------------------------------------------
     def can_fit(self, numel: int) -> bool:
@@ -150,11 +155,16 @@ class Chunk:
     # -- states ----------------------------------------------------------------------------------
     def transition(self, info: TensorInfo, target: TensorState) -> None:
         """Move one tensor to ``target``, refusing transitions the state machine does not allow."""
-        if target not in _LEGAL[info.state]:
+        state = info.state
+        if target not in _ALLOWED[state._value_]:
             raise IllegalTransitionError(
-                f"tensor {info.name!r} in chunk {self.id}: cannot go from {info.state.name} to {target.name}; "
-                f"allowed from {info.state.name}: {sorted(s.name for s in _LEGAL[info.state])}"
+                f"tensor {info.name!r} in chunk {self.id}: cannot go from {state.name} to {target.name}; "
+                f"allowed from {state.name}: {sorted(s.name for s in _LEGAL[state])}"
             )
+        if target is _READY:
+            self.n_ready += 1
+        elif state is _READY:
+            self.n_ready -= 1
         info.state = target
 
     def count(self, state: TensorState) -> int:
@@ -174,7 +184,7 @@ class Chunk:
     @property
     def ready_for_reduce(self) -> bool:
         """True when every tensor's gradient is in the gradient buffer."""
-        return all(info.state is TensorState.READY_FOR_REDUCE for info in self.tensors)
+        return self.n_ready == len(self.tensors)
 
     def to_gathered(self) -> None:
         """RELEASED -> GATHERED (the caller has filled ``payload``); FREE tensors become HOLD."""

@@ -57,10 +57,36 @@ the budget in steady state.
 The unit of tracing and placement is one module's forward or one module's backward ("operator"):
 that is the granularity at which chunks are needed. Parameters must be used inside the forward of
 the module owning them (as for FSDP).
+
+[Note: fixed reduction order]
+Collectives pair by issue order. With whole chunks on every rank (``keep_gathered``) a module skipped
+on one rank only (a data-dependent branch, a layer drop) is legal for the data, but that rank's chunk
+would complete at the end of backward instead of in its turn, and the per-chunk all-reduces would pair
+different chunks across ranks (same sizes: silently wrong gradients). So, as DDP does with its
+buckets, replicated chunks are all-reduced in one fixed order that every rank knows without
+communicating (descending chunk id: chunks are packed in first-use order, so this is the natural
+backward order): a chunk whose gradients are all in waits for the chunks before it in that order, and
+at the end of backward the chunks not reduced yet go in that order, a rank that produced none of a
+chunk's gradients contributing zeros. Whether a parameter got a gradient is agreed over the ranks at
+the step (``gemini.grad_presence``), so a parameter no rank used is left untouched, as by
+``torch.optim``. Sharded chunks (reduce-scatter) keep their completion order: there every module's
+gathers already require every rank to run the same modules.
+
+[Note: resident fast path]
+Operators exist to move chunks. After warm-up, when chunks are not sharded, every chunk is on the
+device and the budget holds the model data, the largest traced non-model peak and every gradient
+buffer at once, no operator can fetch, evict, gather or release anything: the trace shows no benefit
+from any operator granularity, so an iteration is one operator. ``forward`` then detaches the module
+hooks and the saved-tensor hooks (about 40 us of Python per module call and per saved parameter)
+and runs the plain module; only the per-parameter gradient hooks stay (a gradient must still go
+into its chunk, and chunks are still reduced as they complete). The check is redone at every
+``forward`` (a checkpoint load or an observer, e.g. the profiler, which wants per-module samples,
+turns the hooks back on), so leaving the fast path is always possible.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from functools import partial
@@ -131,8 +157,16 @@ class GeminiDDP(nn.Module):
         self.belady_bytes: int | None = None
         self.prefetcher: Prefetcher | None = None  # set at the end of warm-up (sharded runs, prefetch > 0)
         self.stats_history: list[GeminiStats] = []
+        # replicated chunks are all-reduced in this fixed order on every rank: [Note: fixed reduction order]
+        self._reduce_order = [c.id for c in reversed(self.manager.chunks)]
+        self._next_reduce = 0  # position in _reduce_order of the next chunk to reduce
+        self._inflight: Chunk | None = None  # the reduction in flight
+        self._fast_need = 0  # bytes the resident fast path needs free next to the model data (set after warm-up)
+        self._fast_non_model = 0  # the non-model part of it (the largest traced peak)
         self._reset_iteration()
-        self._handles = self._register_hooks(module)
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.manager.chunk_of]
+        self._module_handles: list = []
+        self._attach_module_hooks()
 
     def __setattr__(self, name: str, value) -> None:
         # per-operator state: plain attributes (nn.Module.__setattr__ is slow, and would register
@@ -165,14 +199,37 @@ class GeminiDDP(nn.Module):
                 f"raise device_memory_budget or lower chunk_size (now {self.manager.chunk_size} elements)"
             )
 
-    def _register_hooks(self, module: nn.Module) -> list:
-        handles = []
-        for m in self._module_chunks:
-            handles.append(m.register_forward_pre_hook(self._pre_forward))
-            handles.append(m.register_forward_hook(self._post_forward))
-        for p in self.manager.chunk_of:
-            handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
-        return handles
+    def _attach_module_hooks(self) -> None:
+        if not self._module_handles:
+            for m in self._module_chunks:
+                self._module_handles.append(m.register_forward_pre_hook(self._pre_forward))
+                self._module_handles.append(m.register_forward_hook(self._post_forward))
+
+    def _detach_module_hooks(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles = []
+
+    def _resident(self) -> bool:
+        """Whether this iteration can skip the operator hooks (see ``[Note: resident fast path]``)."""
+        m = self.manager
+        if self.warmup or m.sharded or self._fast_need <= 0 or events.has_observers():
+            return False
+        if m.device.used_bytes + m.grad_buffer_bytes + self._fast_need > m.device.budget:
+            return False
+        return all(c.state is ChunkState.GATHERED and c.w_tier == "device" for c in m.chunks)
+
+    def plan_fast_path(self) -> None:
+        """After warm-up: the free bytes an iteration with every chunk resident needs (the largest traced
+        non-model peak and every gradient buffer at once), or 0 when a policy may still evict by itself."""
+        m, ops = self.manager, self.trace.ops
+        if getattr(self.policy, "host_homed", None):  # static: host-homed chunks are evicted after each use
+            self._fast_need = 0
+            return
+        non_model = max([self.trace.peak_non_model_bytes] + [op.non_model_bytes for op in ops])
+        buffers = sum(c.nbytes for c in m.chunks if not m.direct_grad(c))
+        self._fast_non_model = non_model
+        self._fast_need = max(1, non_model + buffers)
 
     def describe_op(self, i: int) -> str:
         """``"operator <i> (<fwd|bwd>:<module name>)"``: how budget errors name where they happened."""
@@ -212,6 +269,14 @@ class GeminiDDP(nn.Module):
         if self.dtype != torch.float32:
             cast = lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if self._resident():  # see [Note: resident fast path]
+            if self._module_handles:
+                self._detach_module_hooks()
+            m = self.manager
+            model, non_model, peak = m.device.used_bytes, self._fast_non_model, self._peak
+            self._peak = [max(peak[0], model), max(peak[1], non_model), max(peak[2], model + non_model)]
+            return self.module(*args, **kwargs)
+        self._attach_module_hooks()
         if self.warmup and torch.is_grad_enabled() and not self._tracking:
             self.tracker.__enter__()
             self._tracking = True
@@ -388,9 +453,7 @@ class GeminiDDP(nn.Module):
         if module is self._bwd_module:
             return
         if not self._in_backward:
-            self._in_backward = True
-            self._reduced: set[int] = set()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            self._enter_backward()
         self._leave_backward_op()
         name, chunks, pairs = self._module_chunks[module]
         self._bwd_module = module
@@ -400,6 +463,12 @@ class GeminiDDP(nn.Module):
                 chunk.transition(info, TensorState.COMPUTE)
         self._bwd_infos = pairs
 
+    def _enter_backward(self) -> None:
+        """First hook of a backward pass (a pre-backward, or a gradient on the resident fast path)."""
+        self._in_backward = True
+        self._reduced: set[int] = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
     def _leave_backward_op(self) -> None:
         for chunk, info in self._bwd_infos:
             if info.state is TensorState.COMPUTE:
@@ -408,50 +477,84 @@ class GeminiDDP(nn.Module):
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         chunk, info = self.manager.chunk_of[param]
-        with self.tracker.suspended():
-            new_buffer = chunk.grad_buffer is None and not self.manager.direct_grad(chunk)
-            if new_buffer:
-                self._new_grad = chunk.nbytes
-                try:
-                    self.policy.make_room(chunk.nbytes, {c.id for c in self._current}, self.op_index - 1)
-                finally:
-                    self._new_grad = 0
-            self.manager.add_grad(chunk, info, param.grad)
-            chunk.got_grad.add(info.offset)
-            if new_buffer:
-                self._pinned = max(self._pinned, self.manager.grad_buffer_bytes)
-                self._sample("grad", self.op_index - 1)
-            param.grad = None
-            chunk.transition(info, TensorState.READY_FOR_REDUCE)
-            if chunk.ready_for_reduce:
-                self._reduce(chunk)
-        if not chunk.in_use:  # kept on the device only for this gradient: see [Note: parent modules]
-            self._release_idle([chunk])
+        if not self._in_backward:  # the resident fast path has no pre-backward hooks
+            self._enter_backward()
+        if self._tracking:  # warm-up: the engine's own buffers are model data
+            with self.tracker.suspended():
+                self._take_grad(chunk, info, param)
+        else:
+            self._take_grad(chunk, info, param)
+        if self._module_handles and not chunk.in_use:  # kept on the device only for this gradient: see
+            self._release_idle([chunk])  # [Note: parent modules] (the resident fast path releases nothing)
+
+    def _take_grad(self, chunk: Chunk, info, param: nn.Parameter) -> None:
+        """Move ``param.grad`` into its chunk; reduce the chunk once all its gradients are in."""
+        m = self.manager
+        new_buffer = chunk.grad_buffer is None and not m.direct_grad(chunk)
+        if new_buffer:
+            self._new_grad = chunk.nbytes
+            try:
+                self.policy.make_room(chunk.nbytes, {c.id for c in self._current}, self.op_index - 1)
+            finally:
+                self._new_grad = 0
+        m.add_grad(chunk, info, param.grad)
+        chunk.got_grad.add(info.offset)
+        if new_buffer:
+            self._pinned = max(self._pinned, m.grad_buffer_bytes)
+            self._sample("grad", self.op_index - 1)
+        param.grad = None
+        chunk.transition(info, TensorState.READY_FOR_REDUCE)
+        if chunk.ready_for_reduce:
+            self._reduce(chunk)
 
     def _reduce(self, chunk: Chunk) -> None:
-        pending = [c for c in self.manager.chunks if c.pending is not None]
-        for c in pending:  # keep one reduction in flight
-            self.manager.finish_reduce(c)
+        """``chunk``'s gradients are all in: reduce it (replicated chunks: in the fixed order, see
+        ``[Note: fixed reduction order]``)."""
+        if not self.manager.replicated:
+            self._launch_reduce(chunk)
+            return
+        order, chunks = self._reduce_order, self.manager.chunks
+        while self._next_reduce < len(order) and chunks[order[self._next_reduce]].ready_for_reduce:
+            self._launch_reduce(chunks[order[self._next_reduce]])
+            self._next_reduce += 1
+
+    def _launch_reduce(self, chunk: Chunk) -> None:
+        m = self.manager
+        if self._inflight is not None:  # keep one reduction in flight
+            m.finish_reduce(self._inflight)
+            self._inflight = None
         self._reduced.add(chunk.id)
-        self.manager.reduce(chunk)
+        m.reduce(chunk)
         if chunk.pending is None:
-            self.manager.finish_reduce(chunk)
+            m.finish_reduce(chunk)
+        else:
+            self._inflight = chunk
+
+    def _reduce_rest(self) -> None:
+        """End of backward: reduce every chunk not reduced yet, zeros standing for the gradients this rank
+        did not produce (unused parameters, a module skipped on this rank)."""
+        m = self.manager
+        order = self._reduce_order[self._next_reduce :] if m.replicated else [c.id for c in m.chunks]
+        for c in (m.chunks[i] for i in order):
+            if c.id in self._reduced:
+                continue
+            for info in c.tensors:
+                if info.state is not TensorState.READY_FOR_REDUCE:
+                    c.transition(info, TensorState.READY_FOR_REDUCE)
+            self._launch_reduce(c)
+        if self._inflight is not None:
+            m.finish_reduce(self._inflight)
+            self._inflight = None
+        self._next_reduce = 0
 
     def _backward_end(self) -> None:
         self._unpin_recompute()
-        with self.tracker.suspended():
+        quiet = self.tracker.suspended() if self._tracking else contextlib.nullcontext()
+        with quiet:
             self._leave_backward_op()
-            for c in self.manager.chunks:
-                if c.pending is not None:
-                    self.manager.finish_reduce(c)
-            for c in self.manager.chunks:  # chunks holding unused parameters: reduce zeros
-                if c.id not in self._reduced:
-                    for info in c.tensors:
-                        if info.state is not TensorState.READY_FOR_REDUCE:
-                            c.transition(info, TensorState.READY_FOR_REDUCE)
-                    self.manager.reduce(c)
-                    self.manager.finish_reduce(c)
-            self.policy.after_op(self.manager.chunks, set())  # also chunks a gradient arrived late for
+            self._reduce_rest()
+            if self._module_handles:  # also chunks a gradient arrived late for (nothing to do when resident)
+                self.policy.after_op(self.manager.chunks, set())
             if self.prefetcher:
                 self.prefetcher.enter(frozenset())
             self.policy.protected = frozenset()
@@ -471,6 +574,7 @@ class GeminiDDP(nn.Module):
                 self._tracking = False
             if optimizer_blocks is not None:
                 finish_warmup(self, optimizer_blocks)
+                self.plan_fast_path()
             else:  # skipped step (overflow): trace the next iteration afresh
                 self.trace = Trace()
                 self.tracker = NonModelTracker(self._is_model_storage)
@@ -543,6 +647,8 @@ _RUNTIME = frozenset(
         "_op_model",
         "_op_label",
         "_reduced",
+        "_next_reduce",
+        "_inflight",
         "warmup",
         "belady_bytes",
         "policy",

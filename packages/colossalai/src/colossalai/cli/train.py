@@ -18,7 +18,7 @@ from colossalai.booster.registry import make_plugin
 from colossalai.cli import headline
 from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
-from colossalai.cli.train_args import parse_bytes
+from colossalai.cli.train_args import parse_bytes, seq_len_of
 from colossalai.data import corpus_dataset, decode, encode
 from colossalai.models import model_family
 
@@ -38,7 +38,8 @@ def _device_budget(args: argparse.Namespace) -> int:
         return given
     world = int(os.environ.get("WORLD_SIZE", args.nproc))  # Gemini shards the states over every rank
     family = model_family(args.model)
-    config = family.config(family.preset(args.preset), **({"block_size": args.seq_len} if args.seq_len else {}))
+    preset = family.preset(args.preset)
+    config = family.config(preset, block_size=seq_len_of(args, family.config(preset).block_size))
     return headline.default_device_budget(config.num_parameters(), args.precision, world)
 
 
@@ -99,7 +100,7 @@ def _setup(args: argparse.Namespace):
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
     family = model_family(args.model)
     preset = family.preset(args.preset)
-    seq_len = args.seq_len or family.config(preset).block_size
+    seq_len = seq_len_of(args, family.config(preset).block_size)
     model = family.build(
         preset, seed=args.seed, block_size=seq_len, activation_checkpointing=_activation_checkpointing(args)
     )

@@ -218,6 +218,7 @@ def _check_family(args: argparse.Namespace) -> None:
 
 def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
     """The preset (with ``--seq-len``) is a valid model of ``--model`` that the plugin can split."""
+    from colossalai.cli.train_args import seq_len_of
     from colossalai.models import model_family
 
     family = model_family(args.model)
@@ -228,7 +229,7 @@ def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
         )
     preset = family.preset(args.preset)
     config = family.config(preset)
-    seq_len = args.seq_len or config.block_size
+    seq_len = seq_len_of(args, config.block_size)
     _check_corpus(args, seq_len)
     per_rank = args.batch_size // dp
     for value, by, what, by_what in _split_rules(config, plugin, per_rank, seq_len) + _pipeline_rules(
