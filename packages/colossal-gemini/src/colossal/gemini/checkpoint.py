@@ -30,7 +30,6 @@ did not call it after ``GeminiDDP(checkpoint_timeout=...)`` seconds (default
 
 from __future__ import annotations
 
-import os
 import pickle
 
 import torch
@@ -58,11 +57,10 @@ _HINT = (
 )
 
 
-def _where(first, *args, **kwargs):
+def _where(*args, **kwargs):
     """The arrival check's ``(group, timeout)``: the model's data-parallel group and its
-    ``checkpoint_timeout`` (an optimizer reaches them through its model; ``save_sharded(path,
-    model, ...)`` passes the path first)."""
-    target = args[0] if isinstance(first, (str, os.PathLike)) else first
+    ``checkpoint_timeout`` (an optimizer reaches them through its model)."""
+    target = next(a for a in [*args, *kwargs.values()] if hasattr(a, "manager"))  # the model or optimizer
     ddp = target.model if hasattr(target, "optim") else target  # a GeminiOptimizer
     return ddp.manager.group, ddp.config.checkpoint_timeout
 
