@@ -12,7 +12,14 @@ Test-only: it is declared in the ``test`` extra of the packages that use it and 
 any package's ``src/`` (``tools/check_arrows.py`` enforces both). It depends on torch alone.
 """
 
-from colossal.testkit.checkpoint import MISMATCH_LINES, MISSING, damage_file, guarantee_model
+from colossal.testkit.checkpoint import (
+    MISMATCH_LINES,
+    MISSING,
+    call_on_rank0_only,
+    damage_file,
+    guarantee_case,
+    guarantee_model,
+)
 from colossal.testkit.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, randomize_biases_
 from colossal.testkit.parity import (
     TOL,
@@ -42,4 +49,6 @@ __all__ = [
     "MISSING",
     "damage_file",
     "guarantee_model",
+    "call_on_rank0_only",
+    "guarantee_case",
 ]

@@ -7,7 +7,7 @@ import os
 import sys
 
 from colossalai.cli import launcher
-from colossalai.cli.rank_errors import ERRORS_ENV, record_failure
+from colossalai.cli.rank_errors import ERRORS_ENV, run_recording
 from colossalai.cli.train_args import add_train_arguments
 
 __all__ = ["main", "build_parser"]
@@ -61,17 +61,7 @@ def _train_worker(args: argparse.Namespace) -> int:
     print once, and the rank leaves at once (``[Note: reporting rank failures once]``)."""
     from colossalai.cli.train import train
 
-    folder = os.environ.get(ERRORS_ENV)
-    if folder is None:
-        train(args)
-        return 0
-    try:
-        train(args)
-    except Exception as exc:  # noqa: BLE001 - every failure is reported, once, by the parent
-        record_failure(exc, folder)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    run_recording(lambda: train(args))
     return 0
 
 

@@ -21,10 +21,10 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO
 
-__all__ = ["ERRORS_ENV", "RankError", "record_failure", "first_failure", "split_launcher_noise"]
+__all__ = ["ERRORS_ENV", "RankError", "record_failure", "run_recording", "first_failure", "split_launcher_noise"]
 
 ERRORS_ENV = "COLOSSALAI_CLI_ERRORS"
 """Environment variable naming the folder where failing ranks write their exception."""
@@ -58,6 +58,23 @@ def record_failure(exc: BaseException, folder: str | os.PathLike) -> None:
     pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
     path = pathlib.Path(folder, f"rank{rank}.txt")
     path.write_text(json.dumps(record) + "\n")
+
+
+def run_recording(fn: Callable[[], object]) -> None:
+    """Run ``fn``; under a launcher that asked for it (``$COLOSSAL_CLI_ERRORS`` set), an exception
+    is recorded with :func:`record_failure` and the process leaves at once (exit code 1) without
+    printing it. ``SystemExit`` and ``KeyboardInterrupt`` pass through."""
+    folder = os.environ.get(ERRORS_ENV)
+    if folder is None:
+        fn()
+        return
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, once, by the launcher
+        record_failure(exc, folder)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _read(path: pathlib.Path) -> RankError | None:

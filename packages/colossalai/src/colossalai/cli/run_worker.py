@@ -14,7 +14,7 @@ import os
 import runpy
 import sys
 
-from colossalai.cli.rank_errors import ERRORS_ENV, record_failure
+from colossalai.cli.rank_errors import run_recording
 
 __all__ = ["main"]
 
@@ -36,17 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv == ["-m"]:
         raise SystemExit("usage: python -m colossalai.cli.run_worker [-m] TARGET [ARGS...]")
-    folder = os.environ.get(ERRORS_ENV)
-    if folder is None:
-        _run(argv)
-        return
-    try:
-        _run(argv)
-    except Exception as exc:  # noqa: BLE001 - every failure is reported, once, by the launcher
-        record_failure(exc, folder)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    run_recording(lambda: _run(argv))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ class CheckpointError(RuntimeError):
         super().__init__(message)
         self.path = None if path is None else str(path)
 
+    def __reduce__(self):  # keep ``path`` across processes (pickle passes ``args`` alone)
+        return type(self), (self.args[0], self.path)
+
 
 class IncompatibleEntries(NamedTuple):
     """What a non-strict load skipped (like ``torch.nn.modules.module._IncompatibleKeys``).
@@ -60,6 +63,10 @@ class CheckpointMismatchError(CheckpointError, ValueError):
             lines.append(hint)
         super().__init__("\n".join(lines), path)
         self.entries = entries
+        self.hint = hint
+
+    def __reduce__(self):
+        return type(self), (self.path, self.entries, self.hint)
 
 
 def unreadable(path: str | os.PathLike, what: str, cause: BaseException) -> CheckpointError:
