@@ -11,12 +11,14 @@ from colossalai.cli.launcher import torchrun_command
 from colossalai.cli.rank_errors import first_failure
 
 FAILING = """
-import os, sys, time
+import os, pathlib, sys, time
 rank = int(os.environ["RANK"])
 print(f"rank {rank} starts", flush=True)
 if rank == 1:
     raise ValueError(f"bad value 7 on rank {rank}")
-time.sleep(0.5)
+deadline = time.monotonic() + 120  # rank 0 fails after rank 1 (if torchrun has not stopped it yet)
+while not pathlib.Path(os.environ["COLOSSALAI_CLI_ERRORS"], "rank1.txt").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 raise RuntimeError("rank 0 fails later")
 """
 
