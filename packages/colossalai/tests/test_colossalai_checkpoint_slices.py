@@ -57,16 +57,16 @@ def _owned(plugin) -> list[tuple[str, int, int]]:
 
 
 def _resume(spec: str, root: str):
-    import colossalai.checkpoint.sharded as sharded
+    import colossal.comm.checkpoint.flat as flat  # open_reader() builds the reader the Booster uses
 
     readers = []
 
     class Recording(SliceReader):
-        def __init__(self, path):
-            super().__init__(path)
+        def __init__(self, path, **dcp_kwargs):
+            super().__init__(path, **dcp_kwargs)
             readers.append(self)
 
-    sharded.SliceReader = Recording
+    flat.SliceReader = Recording
     booster, model, optim, loader = boosted_setup(_plugin(spec))
     state = booster.load_run(root, model, optim, dataloader=loader)
     reader = readers[0]

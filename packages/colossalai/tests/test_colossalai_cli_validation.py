@@ -116,6 +116,7 @@ def test_bad_file_paths(tmp_path, no_spawn, capsys):
         ([], "needs a script to run"),
         (["--hostfile", "/no/such/hosts", "x.py"], "--hostfile /no/such/hosts: no such file"),
         (["--master-port", "70000", "x.py"], "--master-port must lie in [1, 65535]"),
+        (["--max-restarts", "-1", "x.py"], "--max-restarts must be >= 0, got -1"),
     ],
 )
 def test_bad_run_argument_is_one_line_and_exit_code_2(argv, message, no_spawn, tmp_path, monkeypatch, capsys):

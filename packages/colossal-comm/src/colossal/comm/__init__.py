@@ -3,6 +3,14 @@
 Every other Colossal package communicates through these names only.
 """
 
+from colossal.comm.arrival import (
+    DEFAULT_ARRIVAL_TIMEOUT,
+    ArrivalError,
+    check_arrival,
+    monitored,
+    monitored_call,
+    resolve_arrival_timeout,
+)
 from colossal.comm.collectives import (
     CommHandle,
     P2POp,
@@ -44,6 +52,12 @@ from colossal.comm.layouts import Layout2D, Layout2p5D, Layout3D
 from colossal.comm.mesh import Axis, Mesh
 
 __all__ = [
+    "ArrivalError",
+    "DEFAULT_ARRIVAL_TIMEOUT",
+    "check_arrival",
+    "monitored",
+    "monitored_call",
+    "resolve_arrival_timeout",
     "Axis",
     "CollectiveMismatchError",
     "CommCounter",

@@ -15,6 +15,17 @@ one, BatchNorm's ``num_batches_tracked``, as ``model/<name>`` like every writer 
 a 1-element ``@0`` piece of older checkpoints still loads). A checkpoint saved
 on N ranks by any writer loads on M ranks with any chunk size: each rank reads the metadata and
 then exactly the pieces overlapping its slices (:func:`load_sharded_state_dict`).
+:func:`save_sharded` also writes the entry table and the checksums of its files, and
+:func:`load_sharded` checks both before anything changes, like the Booster (``colossal.comm.checkpoint``).
+
+[Note: state is collective]
+Gathering (:func:`model_state_dict`, :func:`optimizer_state_dict`, ``GeminiDDP.state_dict``),
+saving and loading sharded state (:func:`save_sharded`, :func:`load_sharded`) run collectives over
+the data-parallel group: call them on every rank, never under ``if rank == 0:``. Each first runs the
+arrival check of ``colossal.comm`` ([Note: the arrival check] in ``colossal.comm.arrival``): a call
+on some ranks only raises a :class:`~colossal.comm.checkpoint.CheckpointError` naming the ranks that
+did not call it after ``GeminiDDP(checkpoint_timeout=...)`` seconds (default
+``COLOSSAL_COMM_TIMEOUT`` if set, else 300), instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,8 +33,10 @@ from __future__ import annotations
 import pickle
 
 import torch
+import torch.distributed as dist
 
 import colossal.comm as comm
+from colossal.comm.checkpoint import CheckpointError
 
 __all__ = [
     "model_state_dict",
@@ -36,6 +49,24 @@ __all__ = [
     "load_sharded_state_dict",
     "sharded_entries",
 ]
+
+
+_HINT = (
+    "Gathering, saving and loading Gemini state are collective: call them on every rank (not under "
+    "'if rank == 0:'); a rank that is legitimately slower needs a larger GeminiDDP(checkpoint_timeout=...)"
+)
+
+
+def _where(*args, **kwargs):
+    """The arrival check's ``(group, timeout)``: the model's data-parallel group and its
+    ``checkpoint_timeout`` (an optimizer reaches them through its model)."""
+    target = next(a for a in [*args, *kwargs.values()] if hasattr(a, "manager"))  # the model or optimizer
+    ddp = target.model if hasattr(target, "optim") else target  # a GeminiOptimizer
+    return ddp.manager.group, ddp.config.checkpoint_timeout
+
+
+def _collective(op: str):
+    return comm.monitored(f"colossal.gemini.{op}", _where, error=CheckpointError, hint=_HINT)
 
 
 def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -63,9 +94,11 @@ def _names(ddp) -> dict[torch.nn.Parameter, list[str]]:
     return names
 
 
+@_collective("model_state_dict")
 def model_state_dict(ddp) -> dict[str, torch.Tensor]:
     """Gathered fp32 parameters (and the module's persistent buffers) under the module's names.
-    Collective (an all-gather per chunk): call on every rank, not only on the one that writes."""
+    Collective (an all-gather per chunk): call on every rank, not only on the one that writes
+    ([Note: state is collective])."""
     m, names, out = ddp.manager, _names(ddp), {}
     for chunk in m.chunks:
         full = _gather(m, chunk.master)
@@ -104,7 +137,8 @@ def _check_full(ddp, state: dict, strict: bool):
 def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = True):
     """Load a full state (from :func:`model_state_dict` or a plain module) into masters, working data
     and buffers; strict like ``torch.nn.Module.load_state_dict`` (checked before anything changes).
-    Returns torch's ``_IncompatibleKeys``."""
+    Returns torch's ``_IncompatibleKeys``. No communication, but every rank calls it with the full
+    state (each keeps its own shards)."""
     result = _check_full(ddp, state, strict)
     m, names = ddp.manager, _names(ddp)
     for chunk in m.chunks:
@@ -139,9 +173,11 @@ def _param_of_name(ddp) -> dict[str, torch.nn.Parameter]:
     return {ns[0]: p for p, ns in _names(ddp).items()}
 
 
+@_collective("optimizer_state_dict")
 def optimizer_state_dict(optim) -> dict:
     """Gathered optimizer state keyed by parameter name, plus scalars, hyper-parameters and the loss
-    scaler. Collective (an all-gather per chunk and state): call on every rank."""
+    scaler. Collective (an all-gather per chunk and state): call on every rank ([Note: state is
+    collective])."""
     m, ddp = optim.manager, optim.model
     keys = _state_keys(optim)
     state: dict[str, dict] = {}
@@ -189,7 +225,8 @@ def _fill_empty(optim, entries: dict[str, dict]) -> None:
 
 
 def load_optimizer_state_dict(optim, sd: dict) -> None:
-    """Load a state from :func:`optimizer_state_dict` (any world size / chunk size)."""
+    """Load a state from :func:`optimizer_state_dict` (any world size / chunk size). No
+    communication, but every rank calls it with the full state (each keeps its own slices)."""
     m = optim.manager
     for g, saved in zip(optim.optim.param_groups, sd["param_groups"]):
         g.update(saved)
@@ -276,17 +313,24 @@ def _dcp_kwargs(manager) -> dict:
     return {"process_group": manager.group} if manager.dp_size > 1 else {"no_dist": True}
 
 
+def _dcp_rank(manager) -> int:
+    return dist.get_rank(manager.group) if manager.dp_size > 1 else 0
+
+
+@_collective("save_sharded")
 def save_sharded(path: str, model, optimizer=None) -> None:
-    """Save this rank's slices with ``torch.distributed.checkpoint``. Collective over the
-    data-parallel group: every rank calls it (a call on some ranks only hangs in ``dcp.save``)."""
-    import torch.distributed.checkpoint as dcp
+    """Save this rank's slices with ``torch.distributed.checkpoint``, plus its entry table (every
+    entry's logical shape and dtype) and the checksums of the files it wrote. Collective over the
+    data-parallel group: every rank calls it ([Note: state is collective])."""
+    from colossal.comm.checkpoint import blob, save_flat  # imports torch.distributed.checkpoint: only when saving
 
     sd = sharded_state_dict(model, optimizer)
     if optimizer is not None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optim.param_groups]
         meta = {"param_groups": groups, "loss_scaler": optimizer.scaler.state_dict()}
-        sd["meta/optim"] = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8)  # one opaque blob
-    dcp.save(sd, checkpoint_id=path, **_dcp_kwargs(model.manager))
+        sd["meta/optim"] = blob(pickle.dumps(meta))  # one opaque blob
+    entries = {f"model/{n}": e for n, e in sharded_entries(model).items()}
+    save_flat(path, sd, entries, _dcp_rank(model.manager), **_dcp_kwargs(model.manager))
 
 
 def _pieces(metadata) -> dict[str, list[tuple[int, int, str]]]:
@@ -381,21 +425,42 @@ def _load_scalars(optimizer, loaded: dict, states: dict[str, list[str]]) -> None
     _fill_empty(optimizer, entries)
 
 
-def load_sharded(path: str, model, optimizer=None) -> None:
-    """Load a :func:`save_sharded` checkpoint saved with any world size and chunk size."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+@_collective("load_sharded")
+def load_sharded(path: str, model, optimizer=None, *, strict: bool = True):
+    """Load a :func:`save_sharded` checkpoint saved with any world size and chunk size (also one
+    written by the ``colossalai`` Booster). Collective over the data-parallel group ([Note: state
+    is collective]).
 
+    Strict like ``load_state_dict``: one :class:`~colossal.comm.checkpoint.CheckpointMismatchError`
+    (a ``ValueError``) lists every missing, unexpected and mis-shaped entry with shapes, on every
+    rank, before anything changes; with ``strict=False`` missing entries stay as they are,
+    unexpected ones are ignored, and both come back as
+    :class:`~colossal.comm.checkpoint.IncompatibleEntries` (a mis-shaped entry is always an error).
+    Every file is verified (size, CRC-32) before it is read: a truncated or corrupted one raises
+    :class:`~colossal.comm.checkpoint.CheckpointError` naming it.
+    """
+    from colossal.comm.checkpoint import GROUPS_KEY, open_flat, read_blob
+
+    expected = {f"model/{n}": e for n, e in sharded_entries(model).items()}
     kwargs = _dcp_kwargs(model.manager)
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    load_sharded_state_dict(model, optimizer, meta, lambda sd: dcp.load(sd, checkpoint_id=path, **kwargs))
-    if optimizer is not None:
-        blob = {"meta/optim": torch.zeros(meta["meta/optim"].size, dtype=torch.uint8)}
-        dcp.load(blob, checkpoint_id=path, **kwargs)
-        saved = pickle.loads(blob["meta/optim"].numpy().tobytes())
-        for g, sg in zip(optimizer.optim.param_groups, saved["param_groups"]):
-            g.update(sg)
-        optimizer.scaler.load_state_dict(saved["loss_scaler"])
+    reader, found = open_flat(path, expected, with_optimizer=optimizer is not None, strict=strict, **kwargs)
+    saved = None
+    if optimizer is not None:  # read (and verified) before anything changes
+        if "meta/optim" in reader.metadata:
+            saved = pickle.loads(read_blob(reader, "meta/optim"))
+        else:  # a Booster checkpoint: hyperparameters only, the scaler stays
+            saved = {"param_groups": pickle.loads(read_blob(reader, GROUPS_KEY))}
+        if len(saved["param_groups"]) != len(optimizer.optim.param_groups):
+            have, got = len(optimizer.optim.param_groups), len(saved["param_groups"])
+            raise ValueError(f"the checkpoint {path!r} has {got} param groups, the optimizer {have}")
+    skip = {k[len("model/") :] for k in reader.skip}
+    load_sharded_state_dict(model, optimizer, reader.metadata, reader.load, skip=skip)
+    if saved is not None:
+        for g, sg in zip(optimizer.optim.param_groups, saved["param_groups"], strict=True):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        if "loss_scaler" in saved:
+            optimizer.scaler.load_state_dict(saved["loss_scaler"])
+    return found
 
 
 def _apply(m, optimizer, wanted: dict, targets: list) -> None:

@@ -48,6 +48,11 @@ class GeminiConfig:
     ``0`` gathers every chunk on demand."""
     device: torch.device | str | None = None
     """Compute device; default ``cuda:<current>`` when CUDA is present, else ``cpu``."""
+    checkpoint_timeout: float | None = None
+    """Seconds every gather, save and load of the state (collectives: ``state_dict``,
+    ``save_sharded``, ...) waits for all ranks of the group to call it before it raises a
+    ``CheckpointError`` naming the ranks that did not ([Note: the arrival check] in
+    ``colossal.comm.arrival``); ``None``: ``COLOSSAL_COMM_TIMEOUT`` if set, else 300."""
 
     def __post_init__(self):
         if self.placement not in _PLACEMENTS:
@@ -71,5 +76,8 @@ class GeminiConfig:
             raise TypeError(f"example_inputs must be a tuple of positional inputs or a tensor, got {kind}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {self.prefetch!r}")
+        timeout = self.checkpoint_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, got {timeout!r}")
         if self.device is None:
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

@@ -13,6 +13,15 @@ asks DCP for just the chunks that overlap the slices it now owns, and copies the
 saving and loading world sizes (and stages) are independent. Any non-overlapping pieces that cover
 a parameter load, whoever wrote them: this is the format of every ``colossalai`` Booster plugin
 (``sharded_state_dict`` / ``load_sharded_state_dict`` are the narrow interface it uses).
+:func:`save_sharded` also writes the entry table and the checksums of its files, and
+:func:`load_sharded` checks both before anything changes, like the Booster (``colossal.comm.checkpoint``).
+
+[Note: state is collective]
+Every function here that gathers, saves or loads a sharded state runs collectives over the
+engine's group: call it on every rank, never under ``if rank == 0:``. Each first runs the arrival
+check of ``colossal.comm`` ([Note: the arrival check] in ``colossal.comm.arrival``): a call on some
+ranks only raises a :class:`~colossal.comm.checkpoint.CheckpointError` naming the ranks that did
+not call it after ``ZeroConfig.checkpoint_timeout`` seconds, instead of hanging.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ import itertools
 import pickle
 
 import torch
+import torch.distributed as dist
 
-from colossal.comm import all_gather
+from colossal.comm import all_gather, monitored
+from colossal.comm.checkpoint import CheckpointError
 from colossal.zero._flat_param import FlatParam
 from colossal.zero._state_view import ZeroState as ZeroOptimizer  # structural: no import of optimizer.py
 
@@ -37,6 +48,26 @@ __all__ = [
     "load_sharded_state_dict",
     "sharded_entries",
 ]
+
+
+_HINT = (
+    "Gathering, saving and loading ZeRO state are collective: call them on every rank (not under 'if rank == 0:'); "
+    "a rank that is legitimately slower needs a larger ZeroOptimizer(checkpoint_timeout=...)"
+)
+
+
+def _on_group(zero: ZeroOptimizer, *args, **kwargs):
+    """The arrival check's ``(group, timeout)`` for a collective over the engine's shard group."""
+    return zero.config.group, zero.config.checkpoint_timeout
+
+
+def _on_world(zero: ZeroOptimizer, *args, **kwargs):
+    """The same for ``dcp.save`` / ``dcp.load``, which run over the default group."""
+    return None, zero.config.checkpoint_timeout
+
+
+def _collective(op: str, where=_on_group):
+    return monitored(f"colossal.zero.{op}", where, error=CheckpointError, hint=_HINT)
 
 
 def _gather_full(zero: ZeroOptimizer, shard: torch.Tensor) -> torch.Tensor:
@@ -54,8 +85,10 @@ def _is_shard(flat: FlatParam, v) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == flat.shard_numel
 
 
+@_collective("full_model_state_dict")
 def full_model_state_dict(zero: ZeroOptimizer) -> dict[str, torch.Tensor]:
-    """Gather every parameter (fp32, CPU); buffers and unmanaged parameters are copied."""
+    """Gather every parameter (fp32, CPU); buffers and unmanaged parameters are copied.
+    Collective (an all-gather per buffer): every rank calls it ([Note: state is collective])."""
     values: dict[int, torch.Tensor] = {}
     for flat in zero.flats:
         full = _gather_full(zero, _values(flat))
@@ -71,8 +104,10 @@ def _param_index(zero: ZeroOptimizer) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(itertools.chain(*zero._orig_groups))}
 
 
+@_collective("full_optimizer_state_dict")
 def full_optimizer_state_dict(zero: ZeroOptimizer) -> dict:
-    """``torch.optim``-format state over the original parameters, plus ``"loss_scaler"``."""
+    """``torch.optim``-format state over the original parameters, plus ``"loss_scaler"``.
+    Collective (an all-gather per state tensor): every rank calls it ([Note: state is collective])."""
     index, state = _param_index(zero), {}
     for flat in (f for f in zero.flats if f.master is not None):
         per = [{k: _copy(v) for k, v in sc.items()} for sc in zero._param_scalars(flat)]
@@ -131,10 +166,12 @@ def _check_full(zero: ZeroOptimizer, state_dict: dict, strict: bool):
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
+@_collective("load_full_model_state_dict")
 def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.Tensor], strict: bool = True):
     """Scatter a plain model state dict into the masters, working parameters and buffers; strict
     like ``torch.nn.Module.load_state_dict`` (checked before anything changes). Returns torch's
-    ``_IncompatibleKeys`` (what a non-strict load skipped)."""
+    ``_IncompatibleKeys`` (what a non-strict load skipped). Collective (stages 1/2 re-gather the
+    parameters): every rank calls it with the full dict ([Note: state is collective])."""
     result = _check_full(zero, state_dict, strict)
     for flat in zero.flats:
         full32 = torch.zeros(flat.padded_numel, dtype=torch.float32)
@@ -155,7 +192,8 @@ def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.
 
 
 def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> None:
-    """Load ``torch.optim``-format state (as :func:`full_optimizer_state_dict` writes it)."""
+    """Load ``torch.optim``-format state (as :func:`full_optimizer_state_dict` writes it). No
+    communication, but every rank calls it with the full dict (each keeps its own slices)."""
     groups = state_dict.get("param_groups", [])
     if len(groups) != len(zero.optimizer.param_groups):
         raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer {len(zero.optimizer.param_groups)}")
@@ -230,32 +268,60 @@ def sharded_entries(zero: ZeroOptimizer) -> dict[str, tuple[tuple[int, ...], str
     return out
 
 
+def _dcp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@_collective("save_sharded", _on_world)
 def save_sharded(zero: ZeroOptimizer, path: str) -> None:
-    """Write this rank's slices (see the module note) with ``dcp.save``. Collective: every rank of
-    the engine's group must call it (a call on some ranks only hangs in ``dcp.save``)."""
+    """Write this rank's slices (see the module note) with ``dcp.save``, plus its entry table
+    (every entry's logical shape and dtype) and the checksums of the files it wrote. Collective
+    over the default group: every rank calls it with the same ``path`` ([Note: state is collective])."""
+    from colossal.comm.checkpoint import blob, save_flat  # imports torch.distributed.checkpoint: only when saving
+
     sd = sharded_state_dict(zero)
     extra = {
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups],
         "loss_scaler": zero.scaler.state_dict(),
     }
-    sd["zero/extra"] = torch.frombuffer(bytearray(pickle.dumps(extra)), dtype=torch.uint8)
-    import torch.distributed.checkpoint as dcp  # heavy import, only when checkpointing
+    sd["zero/extra"] = blob(pickle.dumps(extra))
+    entries = {f"model/{n}": e for n, e in sharded_entries(zero).items()}
+    save_flat(path, sd, entries, _dcp_rank())
 
-    dcp.save(sd, checkpoint_id=path)
 
+@_collective("load_sharded", _on_world)
+def load_sharded(zero: ZeroOptimizer, path: str, *, strict: bool = True):
+    """Read the chunks overlapping this rank's slices from a :func:`save_sharded` checkpoint (any
+    world size and stage; also one written by the ``colossalai`` Booster). Collective over the
+    default group ([Note: state is collective]).
 
-def load_sharded(zero: ZeroOptimizer, path: str) -> None:
-    """Read the chunks overlapping this rank's slices from a :func:`save_sharded` checkpoint."""
-    import torch.distributed.checkpoint as dcp  # heavy import, only when checkpointing
+    Strict like ``load_state_dict``: one :class:`~colossal.comm.checkpoint.CheckpointMismatchError`
+    (a ``ValueError``) lists every missing, unexpected and mis-shaped entry with shapes, on every
+    rank, before anything changes; with ``strict=False`` missing entries stay as they are,
+    unexpected ones are ignored, and both come back as
+    :class:`~colossal.comm.checkpoint.IncompatibleEntries` (a mis-shaped entry is always an error).
+    Every file is verified (size, CRC-32) before it is read: a truncated or corrupted one raises
+    :class:`~colossal.comm.checkpoint.CheckpointError` naming it.
+    """
+    from colossal.comm.checkpoint import GROUPS_KEY, open_flat, read_blob
 
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    load_sharded_state_dict(zero, meta, lambda sd: dcp.load(sd, checkpoint_id=path))
-    extra = {"zero/extra": torch.empty(meta["zero/extra"].size, dtype=torch.uint8)}
-    dcp.load(extra, checkpoint_id=path)
-    extra = pickle.loads(extra["zero/extra"].numpy().tobytes())
-    for g, sg in zip(zero.optimizer.param_groups, extra["param_groups"], strict=True):
-        g.update(sg)
-    zero.scaler.load_state_dict(extra["loss_scaler"])
+    expected = {f"model/{n}": e for n, e in sharded_entries(zero).items()}
+    reader, found = open_flat(path, expected, with_optimizer=True, strict=strict)
+    if "zero/extra" in reader.metadata:  # read (and verified) before anything changes
+        extra = pickle.loads(read_blob(reader, "zero/extra"))
+    else:  # a Booster checkpoint: hyperparameters only, the scaler stays
+        extra = {"param_groups": pickle.loads(read_blob(reader, GROUPS_KEY))}
+    saved_groups = extra["param_groups"]
+    if len(saved_groups) != len(zero.optimizer.param_groups):
+        have = len(zero.optimizer.param_groups)
+        raise ValueError(f"the checkpoint {path!r} has {len(saved_groups)} param groups, the optimizer {have}")
+    skip = {k[len("model/") :] for k in reader.skip}
+    load_sharded_state_dict(zero, reader.metadata, reader.load, skip=skip)
+    for g, sg in zip(zero.optimizer.param_groups, saved_groups, strict=True):
+        g.update({k: v for k, v in sg.items() if k != "params"})
+    if "loss_scaler" in extra:
+        zero.scaler.load_state_dict(extra["loss_scaler"])
+    return found
 
 
 def _index(metadata) -> dict[str, list[tuple[int, int, str]]]:

@@ -73,6 +73,11 @@ class ZeroConfig:
     wait for each bucket only in the forward pre-hook of a module owning one of its parameters,
     so the gather overlaps the next forward (Megatron's ``overlap_param_gather``). Until then the
     parameters are stale: read them outside a forward only after ``zero.wait_params()``."""
+    checkpoint_timeout: float | None = None
+    """Seconds every save/load entry point (``state_dict``, ``full_model_state_dict``,
+    ``save_sharded``, ...: collectives) waits for all ranks of the group to call it before it
+    raises a ``CheckpointError`` naming the ranks that did not ([Note: the arrival check] in
+    ``colossal.comm.arrival``); ``None``: ``COLOSSAL_COMM_TIMEOUT`` if set, else 300."""
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -97,6 +102,9 @@ class ZeroConfig:
             )
         if self.initial_scale <= 0:
             raise ValueError(f"initial_scale must be positive, got {self.initial_scale}")
+        timeout = self.checkpoint_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, got {timeout!r}")
 
     @property
     def strategy(self) -> ShardStrategy:

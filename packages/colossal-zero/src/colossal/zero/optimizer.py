@@ -396,7 +396,8 @@ class ZeroOptimizer:
     # -- state ----------------------------------------------------------------------------------
     # [Note: state is collective] Every method below that gathers or saves (full_model_state_dict,
     # state_dict, save_sharded) or loads (load_*) runs collectives over the engine's group: call it
-    # on every rank, never under ``if rank == 0:`` (that hangs in the first collective).
+    # on every rank, never under ``if rank == 0:``; a call on some ranks only raises a CheckpointError
+    # naming the missing ranks after ``checkpoint_timeout`` seconds (the arrival check of colossal.comm).
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict (fp32 master values), loadable by the plain model.
         Collective (an all-gather per buffer): call on every rank; each gets the full dict."""
@@ -419,7 +420,7 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a plain optimizer state dict (as :meth:`state_dict` or ``torch.optim`` writes it);
-        every rank calls it with the full dict."""
+        every rank calls it with the full dict (no communication; each keeps its own slices)."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.load_full_optimizer_state_dict(self, state_dict)
 
@@ -429,10 +430,13 @@ class ZeroOptimizer:
         self.wait_params()  # a pending parameter gather reads and writes these buffers
         checkpoint.save_sharded(self, path)
 
-    def load_sharded(self, path: str) -> None:
-        """Load a checkpoint written by :meth:`save_sharded` on any number of ranks. Collective."""
+    def load_sharded(self, path: str, *, strict: bool = True):
+        """Load a checkpoint written by :meth:`save_sharded` on any number of ranks. Collective.
+        Strict (one ``CheckpointMismatchError`` listing every missing, unexpected and mis-shaped
+        entry before anything changes); ``strict=False`` returns what it skipped
+        (:func:`colossal.zero.load_sharded`)."""
         self.wait_params()  # a pending parameter gather reads and writes these buffers
-        checkpoint.load_sharded(self, path)
+        return checkpoint.load_sharded(self, path, strict=strict)
 
     def sharded_state_dict(self, *, include_optimizer: bool = True) -> dict[str, torch.Tensor]:
         """This rank's pieces of the flat-slice checkpoint format (``model/<name>@<start>``,

@@ -43,6 +43,7 @@ from colossalai.booster.wrappers import BoostedModel, BoostedOptimizer
 from colossalai.checkpoint import (
     DEFAULT_ARRIVAL_TIMEOUT,
     IncompatibleEntries,
+    arrival_checked,
     atomic_checkpoint_dir,
     check_all_ranks_arrive,
     load_run_file,
@@ -100,7 +101,7 @@ class Booster:
 
     ``checkpoint_timeout``: seconds every save/load waits for all ranks to call it before it raises
     a :class:`~colossalai.checkpoint.CheckpointError` naming the ranks that did not ([Note: the
-    arrival check] in :mod:`colossalai.checkpoint.guard`).
+    arrival check] in :mod:`colossal.comm.arrival`).
 
     ``moe_aux_loss``: add the MoE layers' auxiliary losses to the criterion's loss (see
     ``[Note: MoE auxiliary losses]``); ignored for a model without MoE layers.
@@ -200,7 +201,7 @@ class Booster:
     # ---- checkpoints ---------------------------------------------------------------------------
     # [Note: checkpoints are collective] Every save_* / load_* / export_* below is a collective:
     # call it on every rank with the same arguments, never under ``if rank == 0:``. Each first
-    # checks that all ranks arrived ([Note: the arrival check] in colossalai.checkpoint.guard) and
+    # checks that all ranks arrived ([Note: the arrival check] in colossal.comm.arrival) and
     # raises a CheckpointError naming the missing ranks after ``checkpoint_timeout`` seconds.
     def _arrive(self, op: str) -> None:
         check_all_ranks_arrive(f"Booster.{op}", self.checkpoint_timeout)
@@ -302,8 +303,8 @@ class Booster:
     def export_safetensors(self, model: BoostedModel, folder, max_shard_bytes: int = 2 * 1024**3):
         """Gather the full model and write a Hugging Face style safetensors folder (rank 0 writes).
         Collective: every rank calls it (the gather needs them all)."""
-        self._arrive("export_safetensors")
-        full = self.plugin.full_model_state_dict(model.module)
+        with arrival_checked("Booster.export_safetensors", self.checkpoint_timeout):  # the engine's gathers inside
+            full = self.plugin.full_model_state_dict(model.module)
         if world_rank() == 0:
             save_safetensors_folder(full, folder, max_shard_bytes)
         if dist.is_initialized() and dist.get_world_size() > 1:

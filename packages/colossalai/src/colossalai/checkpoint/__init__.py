@@ -4,7 +4,7 @@ Hugging Face style safetensors export."""
 
 from colossalai.checkpoint.atomic import LATEST, atomic_checkpoint_dir, read_latest, resolve_checkpoint
 from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompatibleEntries
-from colossalai.checkpoint.guard import DEFAULT_ARRIVAL_TIMEOUT, check_all_ranks_arrive
+from colossalai.checkpoint.guard import DEFAULT_ARRIVAL_TIMEOUT, arrival_checked, check_all_ranks_arrive
 from colossalai.checkpoint.run_state import (
     RUN_FILE,
     capture_rng,
@@ -29,6 +29,7 @@ __all__ = [
     "IncompatibleEntries",
     "DEFAULT_ARRIVAL_TIMEOUT",
     "check_all_ranks_arrive",
+    "arrival_checked",
     "RUN_FILE",
     "capture_rng",
     "restore_rng",

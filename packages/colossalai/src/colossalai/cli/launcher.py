@@ -56,11 +56,16 @@ def parse_hostfile(path: str | os.PathLike) -> list[Host]:
 
 
 def torchrun_command(nproc: int, target: list[str], *, nnodes: int = 1, node_rank: int = 0, master: str | None = None,
-                     port: int = 29500, module: bool = False) -> list[str]:  # fmt: skip
-    """The ``python -m torch.distributed.run`` command line for one node."""
+                     port: int = 29500, module: bool = False, max_restarts: int = 0) -> list[str]:  # fmt: skip
+    """The ``python -m torch.distributed.run`` command line for one node (``max_restarts``:
+    torchrun's ``--max-restarts``, how often the whole worker group is restarted after a failure)."""
     if nproc < 1:
         raise ValueError(f"nproc per node must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if max_restarts:
+        cmd += ["--max-restarts", str(max_restarts)]
     if nnodes == 1 and master is None:
         cmd.append("--standalone")
     else:
@@ -73,24 +78,53 @@ def _is_local(host: str) -> bool:
     return host in _LOCAL_NAMES or host in (socket.gethostname(), socket.getfqdn())
 
 
+def _worker_target(target: list[str], module: bool) -> list[str]:
+    """``target`` wrapped in :mod:`colossalai.cli.run_worker` (a module target for torchrun)."""
+    return ["colossalai.cli.run_worker", *(["-m"] if module else []), *target]
+
+
 def run_script(target: list[str], *, nproc: int, hostfile: str | None = None, port: int = 29500,
-               module: bool = False) -> int:  # fmt: skip
-    """Launch ``target`` (a script and its arguments) on every host; returns the worst exit code."""
+               module: bool = False, max_restarts: int = 0) -> int:  # fmt: skip
+    """Launch ``target`` (a script and its arguments) on every host; returns the worst exit code.
+
+    On one host a failure is reported once: the first failing rank's ``Type: message`` and the
+    folder of every rank's traceback ([Note: reporting rank failures once] in
+    :mod:`colossalai.cli.rank_errors`). With ``--hostfile`` each host's output passes through as
+    torchrun prints it."""
     if not target:
         raise ValueError("colossalai run needs a script to run (e.g. colossalai run --nproc 2 train.py)")
     if hostfile is None:
-        return subprocess.call(torchrun_command(nproc, target, module=module))
+        wrapped = _worker_target(target, module)
+        return _run_reporting_once(torchrun_command(nproc, wrapped, module=True, max_restarts=max_restarts), nproc)
     hosts = parse_hostfile(hostfile)
     master = hosts[0].name
     procs = []
     for i, host in enumerate(hosts):
         cmd = torchrun_command(host.slots or nproc, target, nnodes=len(hosts), node_rank=i, master=master,
-                               port=port, module=module)  # fmt: skip
+                               port=port, module=module, max_restarts=max_restarts)  # fmt: skip
         if not _is_local(host.name):
             remote = f"cd {shlex.quote(os.getcwd())} && {shlex.join(cmd)}"
             cmd = ["ssh", "-o", "BatchMode=yes", host.name, remote]
         procs.append(subprocess.Popen(cmd))
     return max(p.wait() for p in procs)
+
+
+def _run_reporting_once(cmd: list[str], nproc: int) -> int:
+    """Run a torchrun command whose workers record their failures; print the first failing rank's
+    message once (or, when none recorded one, torchrun's own report). Returns its exit code."""
+    errors = tempfile.mkdtemp(prefix="colossalai-errors-")
+    env = {**os.environ, ERRORS_ENV: errors}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+        held = split_launcher_noise(proc.stderr)
+    first, failed = first_failure(errors)
+    if proc.returncode == 0 or first is None:
+        sys.stderr.writelines(held)
+        shutil.rmtree(errors, ignore_errors=True)
+        return proc.returncode
+    print(f"colossalai: rank {first.rank} of {nproc} failed: {first.message}", file=sys.stderr)
+    print(f"colossalai: {failed} rank(s) failed; tracebacks in {errors}", file=sys.stderr)
+    return proc.returncode
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -111,20 +145,7 @@ def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
     """Start ``colossalai <argv>`` again as ``nproc`` torchrun workers of this host; a failure is
     reported once, as the first failing rank's message (``[Note: reporting rank failures once]``
     in :mod:`colossalai.cli.rank_errors`). Returns torchrun's exit code."""
-    errors = tempfile.mkdtemp(prefix="colossalai-errors-")
-    env = {**os.environ, ERRORS_ENV: errors}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = torchrun_command(nproc, ["colossalai.cli", *_without_nproc(argv)], module=True)
-    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
-        held = split_launcher_noise(proc.stderr)
-    first, failed = first_failure(errors)
-    if proc.returncode == 0 or first is None:
-        sys.stderr.writelines(held)
-        shutil.rmtree(errors, ignore_errors=True)
-        return proc.returncode
-    print(f"colossalai: rank {first.rank} of {nproc} failed: {first.message}", file=sys.stderr)
-    print(f"colossalai: {failed} rank(s) failed; tracebacks in {errors}", file=sys.stderr)
-    return proc.returncode
+    return _run_reporting_once(torchrun_command(nproc, ["colossalai.cli", *_without_nproc(argv)], module=True), nproc)
 
 
 def under_launcher() -> bool:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from colossalai.cli import launcher
-from colossalai.cli.rank_errors import ERRORS_ENV, record_failure
+from colossalai.cli.rank_errors import ERRORS_ENV, run_recording
 from colossalai.cli.train_args import add_train_arguments
 
 __all__ = ["main", "build_parser"]
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=1, help="processes per host")
     run.add_argument("--hostfile", default=None, help="file of 'host [slots=N]' lines")
     run.add_argument("--master-port", type=int, default=29500, help="rendezvous port (several hosts)")
+    run.add_argument(
+        "--max-restarts", type=int, default=0, help="restart every worker up to N times after a failure (torchrun)"
+    )
     run.add_argument("-m", dest="module", action="store_true", help="target is a module, as in python -m")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script (or module) and its arguments")
     sub.add_parser("check", help="report installed components, devices, backends; 2-process smoke test")
@@ -58,17 +61,7 @@ def _train_worker(args: argparse.Namespace) -> int:
     print once, and the rank leaves at once (``[Note: reporting rank failures once]``)."""
     from colossalai.cli.train import train
 
-    folder = os.environ.get(ERRORS_ENV)
-    if folder is None:
-        train(args)
-        return 0
-    try:
-        train(args)
-    except Exception as exc:  # noqa: BLE001 - every failure is reported, once, by the parent
-        record_failure(exc, folder)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    run_recording(lambda: train(args))
     return 0
 
 
@@ -84,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "run":
         return launcher.run_script(
-            args.target, nproc=args.nproc, hostfile=args.hostfile, port=args.master_port, module=args.module
+            args.target,
+            nproc=args.nproc,
+            hostfile=args.hostfile,
+            port=args.master_port,
+            module=args.module,
+            max_restarts=args.max_restarts,
         )
     if args.nproc > 1 and not launcher.under_launcher():
         return launcher.relaunch_under_torchrun(args.nproc, argv)

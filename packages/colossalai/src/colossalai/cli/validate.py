@@ -265,11 +265,13 @@ def validate_train(args: argparse.Namespace, world: int | None = None) -> list[s
 
 
 def validate_run(args: argparse.Namespace) -> list[str]:
-    """Check the ``run`` options: processes, hostfile, port, target; returns warnings."""
+    """Check the ``run`` options: processes, restarts, hostfile, port, target; returns warnings."""
     from colossalai.cli.launcher import parse_hostfile
 
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 1 <= args.master_port <= 65535:
         raise UsageError(f"--master-port must lie in [1, 65535], got {args.master_port}")
     if not args.target:
