@@ -19,6 +19,8 @@ then exactly the pieces overlapping its slices (:func:`load_sharded_state_dict`)
 
 from __future__ import annotations
 
+import functools
+import inspect
 import pickle
 
 import torch
@@ -36,6 +38,26 @@ __all__ = [
     "load_sharded_state_dict",
     "sharded_entries",
 ]
+
+
+def _pages_disk(fn):
+    """With a disk tier, run ``fn`` with the disk-resident masters and states paged in (and written back
+    after): see ``[Note: scratch, not checkpoint]`` in ``colossal.gemini.disk``."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs).arguments
+        opt = bound.get("optimizer", bound.get("optim"))
+        model = bound.get("model", bound.get("ddp")) or (opt.model if opt is not None else None)
+        if model is None or getattr(model.manager, "disk", None) is None:
+            return fn(*args, **kwargs)
+        from colossal.gemini.disk import paged_in
+
+        with paged_in(model, opt):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -63,6 +85,7 @@ def _names(ddp) -> dict[torch.nn.Parameter, list[str]]:
     return names
 
 
+@_pages_disk
 def model_state_dict(ddp) -> dict[str, torch.Tensor]:
     """Gathered fp32 parameters (and the module's persistent buffers) under the module's names.
     Collective (an all-gather per chunk): call on every rank, not only on the one that writes."""
@@ -101,6 +124,7 @@ def _check_full(ddp, state: dict, strict: bool):
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
+@_pages_disk
 def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = True):
     """Load a full state (from :func:`model_state_dict` or a plain module) into masters, working data
     and buffers; strict like ``torch.nn.Module.load_state_dict`` (checked before anything changes).
@@ -139,6 +163,7 @@ def _param_of_name(ddp) -> dict[str, torch.nn.Parameter]:
     return {ns[0]: p for p, ns in _names(ddp).items()}
 
 
+@_pages_disk
 def optimizer_state_dict(optim) -> dict:
     """Gathered optimizer state keyed by parameter name, plus scalars, hyper-parameters and the loss
     scaler. Collective (an all-gather per chunk and state): call on every rank."""
@@ -188,6 +213,7 @@ def _fill_empty(optim, entries: dict[str, dict]) -> None:
             }
 
 
+@_pages_disk
 def load_optimizer_state_dict(optim, sd: dict) -> None:
     """Load a state from :func:`optimizer_state_dict` (any world size / chunk size)."""
     m = optim.manager
@@ -236,6 +262,7 @@ def _fakes(optim) -> dict:
     return {(cid, lo): fake for cid, slices in optim.slices.items() for fake, lo, _, _ in slices}
 
 
+@_pages_disk
 def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
     """The pieces this rank writes in the flat-slice format (module note): views of its own master
     slices and optimizer states, scalars, and whole buffers; nothing is gathered."""
@@ -276,6 +303,7 @@ def _dcp_kwargs(manager) -> dict:
     return {"process_group": manager.group} if manager.dp_size > 1 else {"no_dist": True}
 
 
+@_pages_disk
 def save_sharded(path: str, model, optimizer=None) -> None:
     """Save this rank's slices with ``torch.distributed.checkpoint``. Collective over the
     data-parallel group: every rank calls it (a call on some ranks only hangs in ``dcp.save``)."""
@@ -343,6 +371,7 @@ def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
     return wanted, targets
 
 
+@_pages_disk
 def load_sharded_state_dict(model, optimizer, metadata, load, *, skip: set[str] = frozenset()) -> None:
     """Load the flat-slice pieces (any writer, world size and chunk size) overlapping this rank's
     slices: ``metadata`` is the checkpoint's DCP ``state_dict_metadata``, ``load(tensors)`` fills a
@@ -381,6 +410,7 @@ def _load_scalars(optimizer, loaded: dict, states: dict[str, list[str]]) -> None
     _fill_empty(optimizer, entries)
 
 
+@_pages_disk
 def load_sharded(path: str, model, optimizer=None) -> None:
     """Load a :func:`save_sharded` checkpoint saved with any world size and chunk size."""
     import torch.distributed.checkpoint as dcp
