@@ -40,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ import uuid
 
 import torch
 
+import colossal.comm as comm
 from colossal.gemini import events
 from colossal.gemini.tiers import Tier, count
 
@@ -763,8 +765,10 @@ def home(m, chunk) -> None:
 
 def optimizer_step(opt) -> bool:
     """``GeminiOptimizer.step`` with a disk tier: in-memory blocks step at once, disk blocks stream."""
-    from colossal.gemini.optimizer import _reduce
     from colossal.optim import DynamicLossScaler, clip_grad_norm_, has_inf_or_nan
+
+    def _reduce(what: str):  # as GeminiOptimizer's: tagged comm events (no import of it: no cycle)
+        return functools.partial(comm.all_reduce, tag=f"gemini.{what}")
 
     m = opt.manager
     with events.label("step"):
