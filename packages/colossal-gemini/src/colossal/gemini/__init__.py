@@ -22,9 +22,19 @@ from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, Ten
 from colossal.gemini.chunk_manager import ChunkManager, pack, search_chunk_size
 from colossal.gemini.config import GeminiConfig
 from colossal.gemini.ddp import GeminiDDP
+from colossal.gemini.disk import DiskTier
 from colossal.gemini.events import ChunkMoveEvent, MemorySample, ObserverHandle, register_observer
 from colossal.gemini.optimizer import GeminiOptimizer
-from colossal.gemini.placement import AutoPolicy, BeladyResult, PlacementPolicy, StaticPolicy, WarmupPolicy, belady
+from colossal.gemini.placement import (
+    AutoPolicy,
+    BeladyResult,
+    PlacementPolicy,
+    StaticPolicy,
+    TwoLevelResult,
+    WarmupPolicy,
+    belady,
+    belady_two_level,
+)
 from colossal.gemini.stats import GeminiStats
 from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier, Tier, Traffic
 from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
@@ -38,6 +48,7 @@ __all__ = [
     "ChunkMoveEvent",
     "ChunkState",
     "DeviceTier",
+    "DiskTier",
     "GeminiConfig",
     "GeminiDDP",
     "GeminiOptimizer",
@@ -55,8 +66,10 @@ __all__ = [
     "Tier",
     "Trace",
     "Traffic",
+    "TwoLevelResult",
     "WarmupPolicy",
     "belady",
+    "belady_two_level",
     "load_model_state_dict",
     "load_optimizer_state_dict",
     "load_sharded",

@@ -30,6 +30,8 @@ did not call it after ``GeminiDDP(checkpoint_timeout=...)`` seconds (default
 
 from __future__ import annotations
 
+import functools
+import inspect
 import pickle
 
 import torch
@@ -69,6 +71,26 @@ def _collective(op: str):
     return comm.monitored(f"colossal.gemini.{op}", _where, error=CheckpointError, hint=_HINT)
 
 
+def _pages_disk(fn):
+    """With a disk tier, run ``fn`` with the disk-resident masters and states paged in (and written back
+    after): see ``[Note: scratch, not checkpoint]`` in ``colossal.gemini.disk``."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs).arguments
+        opt = bound.get("optimizer", bound.get("optim"))
+        model = bound.get("model", bound.get("ddp")) or (opt.model if opt is not None else None)
+        if model is None or getattr(model.manager, "disk", None) is None:
+            return fn(*args, **kwargs)
+        from colossal.gemini.disk import paged_in
+
+        with paged_in(model, opt):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers a ``state_dict`` holds (``register_buffer(..., persistent=False)`` ones are not)."""
     out = []
@@ -95,6 +117,7 @@ def _names(ddp) -> dict[torch.nn.Parameter, list[str]]:
 
 
 @_collective("model_state_dict")
+@_pages_disk
 def model_state_dict(ddp) -> dict[str, torch.Tensor]:
     """Gathered fp32 parameters (and the module's persistent buffers) under the module's names.
     Collective (an all-gather per chunk): call on every rank, not only on the one that writes
@@ -134,6 +157,7 @@ def _check_full(ddp, state: dict, strict: bool):
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
+@_pages_disk
 def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = True):
     """Load a full state (from :func:`model_state_dict` or a plain module) into masters, working data
     and buffers; strict like ``torch.nn.Module.load_state_dict`` (checked before anything changes).
@@ -174,6 +198,7 @@ def _param_of_name(ddp) -> dict[str, torch.nn.Parameter]:
 
 
 @_collective("optimizer_state_dict")
+@_pages_disk
 def optimizer_state_dict(optim) -> dict:
     """Gathered optimizer state keyed by parameter name, plus scalars, hyper-parameters and the loss
     scaler. Collective (an all-gather per chunk and state): call on every rank ([Note: state is
@@ -224,6 +249,7 @@ def _fill_empty(optim, entries: dict[str, dict]) -> None:
             }
 
 
+@_pages_disk
 def load_optimizer_state_dict(optim, sd: dict) -> None:
     """Load a state from :func:`optimizer_state_dict` (any world size / chunk size). No
     communication, but every rank calls it with the full state (each keeps its own slices)."""
@@ -273,6 +299,7 @@ def _fakes(optim) -> dict:
     return {(cid, lo): fake for cid, slices in optim.slices.items() for fake, lo, _, _ in slices}
 
 
+@_pages_disk
 def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
     """The pieces this rank writes in the flat-slice format (module note): views of its own master
     slices and optimizer states, scalars, and whole buffers; nothing is gathered."""
@@ -318,6 +345,7 @@ def _dcp_rank(manager) -> int:
 
 
 @_collective("save_sharded")
+@_pages_disk
 def save_sharded(path: str, model, optimizer=None) -> None:
     """Save this rank's slices with ``torch.distributed.checkpoint``, plus its entry table (every
     entry's logical shape and dtype) and the checksums of the files it wrote. Collective over the
@@ -387,6 +415,7 @@ def _targets(m, optimizer, metadata, pieces) -> tuple[set, list]:
     return wanted, targets
 
 
+@_pages_disk
 def load_sharded_state_dict(model, optimizer, metadata, load, *, skip: set[str] = frozenset()) -> None:
     """Load the flat-slice pieces (any writer, world size and chunk size) overlapping this rank's
     slices: ``metadata`` is the checkpoint's DCP ``state_dict_metadata``, ``load(tensors)`` fills a
@@ -426,6 +455,7 @@ def _load_scalars(optimizer, loaded: dict, states: dict[str, list[str]]) -> None
 
 
 @_collective("load_sharded")
+@_pages_disk
 def load_sharded(path: str, model, optimizer=None, *, strict: bool = True):
     """Load a :func:`save_sharded` checkpoint saved with any world size and chunk size (also one
     written by the ``colossalai`` Booster). Collective over the data-parallel group ([Note: state

@@ -124,6 +124,9 @@ class Chunk:
         self.pins = 0  # modules recomputing their forward inside backward (activation checkpointing)
         self.saved = 0  # live views of the payload saved by autograd (GeminiDDP's saved-tensor hooks)
         self.n_ready = 0  # tensors in READY_FOR_REDUCE (kept by transition(): ready_for_reduce without a scan)
+        self.on_disk: set[str] = set()  # parts of the optimizer block on the disk tier: master, grad, states
+        self.disk_clean = False  # the disk region of the working shard holds the current working data
+        self.disk_read = None  # a running read of the working shard from disk (prefetch)
 
     # -- packing ---------------------------------------------------------------------------------
     def can_fit(self, numel: int) -> bool:

@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 import colossal.comm as comm
 from colossal.gemini import events
 from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
-from colossal.gemini.tiers import DeviceTier, HostTier, Tier, Traffic, count, transfer
+from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier, Tier, Traffic, count, transfer
 
 __all__ = ["ChunkManager", "search_chunk_size", "pack"]
 
@@ -79,6 +79,10 @@ class ChunkManager:
         self.dtype = dtype
         self.traffic = Traffic()
         self.grad_buffer_bytes = 0  # device bytes of live gradient buffers
+        self.disk = None  # DiskTier when GeminiConfig.disk_dir is set (colossal.gemini.disk)
+        self.disk_homed: set[int] = set()  # static: chunks whose working shard lives on disk between uses
+        self.host_allowance: int | None = None  # auto: host bytes working shards may hold (the rest spill)
+        self.spill_rank = None  # callable(chunk) -> float: host shards spill to disk highest rank first
         numels = [p.numel() for _, p in params]
         size = chunk_size or search_chunk_size(numels, align=self.world_size)
         size = -(-size // self.world_size) * self.world_size
@@ -99,7 +103,74 @@ class ChunkManager:
 
     def tier(self, name: str) -> Tier:
         """The tier called ``name``."""
+        if name == "disk":
+            return self.disk
         return self.device if name == "device" else self.host
+
+    # -- disk tier (see colossal.gemini.disk) ------------------------------------------------------------
+    def host_working_bytes(self) -> int:
+        """Host bytes held by working shards."""
+        return sum(c.shard_nbytes for c in self.chunks if c.w_tier == "host")
+
+    def host_room(self, nbytes: int, protect: set[int], allow=None) -> bool:
+        """Spill host working shards to disk until ``nbytes`` more fit the host budget and allowance;
+        ``allow(victim)`` may veto a spill (then False). No-op without a disk tier."""
+        if self.disk is None:
+            return True
+        host = self.host
+        while (host.budget is not None and host.used_bytes + nbytes > host.budget) or (
+            self.host_allowance is not None and self.host_working_bytes() + nbytes > self.host_allowance
+        ):
+            cands = [c for c in self.chunks if c.w_tier == "host" and c.id not in protect]
+            victim = max(cands, key=lambda c: (self.spill_rank(c), c.id), default=None)
+            if victim is None or (allow is not None and not allow(victim)):
+                if allow is not None:
+                    return False
+                raise BudgetExceededError(
+                    f"host tier: need {host.used_bytes + nbytes} bytes (working shards "
+                    f"{self.host_working_bytes() + nbytes}, allowance {self.host_allowance}), budget "
+                    f"{host.budget}; raise host_memory_budget or put more on disk"
+                )
+            self.to_disk(victim)
+        return True
+
+    def to_disk(self, chunk: Chunk) -> None:
+        """Move the chunk's working shard from the host tier to its disk region."""
+        from colossal.gemini.disk import settle, shard_to_disk
+
+        settle(self, chunk)
+        shard_to_disk(self, chunk)
+
+    def from_disk(self, chunk: Chunk) -> None:
+        """Bring the chunk's working shard to the host tier if it is on disk (or being prefetched)."""
+        from colossal.gemini.disk import settle, shard_from_disk
+
+        if chunk.w_tier == "disk":
+            shard_from_disk(self, chunk)
+        settle(self, chunk)
+
+    def _evict_to_disk(self, chunk: Chunk) -> bool:
+        """Disk tier, on eviction from the device: a disk-homed shard, or one the host has no room for
+        without spilling a shard needed sooner, goes straight to disk (True); else room is made (False)."""
+        if self.disk is None:
+            return False
+        if chunk.id not in self.disk_homed:
+            rank = self.spill_rank(chunk)
+            if self.host_room(chunk.shard_nbytes, {chunk.id}, allow=lambda v: self.spill_rank(v) > rank):
+                return False
+        from colossal.gemini.disk import evict_to_disk
+
+        evict_to_disk(self, chunk)
+        return True
+
+    def _home(self, chunk: Chunk) -> None:
+        """After eviction to the host: a static disk-homed shard goes home; otherwise spill if over."""
+        if self.disk is None:
+            return
+        if chunk.id in self.disk_homed:
+            self.to_disk(chunk)
+        else:
+            self.host_room(0, set())
 
     # -- construction ------------------------------------------------------------------------------
     def _materialise(self, chunk: Chunk, init_fn: Callable[[str, torch.Tensor], None] | None) -> None:
@@ -131,6 +202,10 @@ class ChunkManager:
         chunk.shard.copy_(chunk.payload[lo:hi])
         chunk.w_tier = "host"
         self._drop_payload(chunk)
+        if self.disk is not None:
+            from colossal.gemini.disk import home
+
+            home(self, chunk)
 
     def _alloc_payload(self, chunk: Chunk) -> None:
         self.device.charge(chunk.nbytes, f"chunk {chunk.id}")
@@ -172,6 +247,8 @@ class ChunkManager:
             self.wait_gather(chunk)
             return
         with events.label("fetch"):
+            if self.disk is not None:
+                self.from_disk(chunk)
             if not self.sharded:
                 start = time.perf_counter()
                 was = chunk.w_tier
@@ -205,6 +282,8 @@ class ChunkManager:
             chunk.gather_handle = None
 
     def _start_gather(self, chunk: Chunk, async_op: bool):
+        if self.disk is not None:
+            self.from_disk(chunk)
         if chunk.w_tier == "host":
             chunk.shard = transfer(chunk.shard, self.host, self.device, self.traffic, chunk.id, "fetch")
             chunk.w_tier = "device"
@@ -225,17 +304,23 @@ class ChunkManager:
                 if chunk.state is ChunkState.RELEASED:
                     return
                 self._check_idle(chunk, "evict")
+                if self._evict_to_disk(chunk):
+                    return
                 start = time.perf_counter()
                 shard = self.host.alloc(chunk.size, self.dtype, f"chunk {chunk.id} shard")
                 shard.copy_(chunk.payload)
                 self._drop_payload(chunk)
                 chunk.shard, chunk.w_tier = shard, "host"
                 count(self.traffic, self.device, self.host, chunk.nbytes, chunk.id, "evict", start)
+                self._home(chunk)
                 return
             self.release(chunk)
             if chunk.w_tier == "device":
+                if self._evict_to_disk(chunk):
+                    return
                 chunk.shard = transfer(chunk.shard, self.device, self.host, self.traffic, chunk.id, "evict")
                 chunk.w_tier = "host"
+                self._home(chunk)
 
     def _check_idle(self, chunk: Chunk, what: str) -> None:
         if chunk.in_use:
@@ -315,7 +400,12 @@ class ChunkManager:
                 "grad_offload",
                 start,
             )
-            accumulate(host_grad)
+            if "grad" in chunk.on_disk:
+                from colossal.gemini.disk import grad_to_disk
+
+                grad_to_disk(self, chunk, host_grad)
+            else:
+                accumulate(host_grad)
         chunk.has_grad = True
         chunk.grad_buffer = None
         self.device.refund(chunk.nbytes)
@@ -325,6 +415,11 @@ class ChunkManager:
     # -- master weights --------------------------------------------------------------------------------
     def refresh_working(self, chunk: Chunk) -> None:
         """Copy the updated fp32 master shard into the working-precision data (after a step)."""
+        if self.disk is not None:
+            from colossal.gemini.disk import refresh_from
+
+            refresh_from(self, chunk, chunk.master)
+            return
         lo, hi = chunk.shard_range(self.rank)
         target = chunk.shard if self.sharded or chunk.w_tier == "host" else chunk.payload[lo:hi]
         start = time.perf_counter()

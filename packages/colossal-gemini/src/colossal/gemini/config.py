@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,23 @@ class GeminiConfig:
     ``save_sharded``, ...) waits for all ranks of the group to call it before it raises a
     ``CheckpointError`` naming the ranks that did not ([Note: the arrival check] in
     ``colossal.comm.arrival``); ``None``: ``COLOSSAL_COMM_TIMEOUT`` if set, else 300."""
+    disk_dir: str | os.PathLike | None = None
+    """Directory of the disk tier's scratch files (one per rank, unlinked at creation: see
+    ``colossal.gemini.disk``); ``None``: no disk tier."""
+    host_memory_budget: int | None = None
+    """Bytes of model data (and disk I/O buffers) the host tier may hold; required with ``disk_dir`` and
+    ``placement="auto"``, which keeps optimizer blocks and working shards on the host up to it."""
+    disk_param_frac: float = 0.0
+    """Static policy with ``disk_dir``: fraction of chunks (the last ones) whose working shard and fp32
+    master live on disk (at most ``offload_param_frac``: disk-homed shards are fetched for each use)."""
+    disk_grad_frac: float = 0.0
+    """Static policy with ``disk_dir``: fraction of chunks whose fp32 gradient shard lives on disk."""
+    disk_optim_frac: float = 0.0
+    """Static policy with ``disk_dir``: fraction of chunks whose optimizer states live on disk."""
+    disk_io_threads: int = 2
+    """Threads reading and writing the disk tier."""
+    disk_prefetch: int = 2
+    """Auto policy with ``disk_dir``: distinct chunks read ahead from disk in traced order."""
 
     def __post_init__(self):
         if self.placement not in _PLACEMENTS:
@@ -61,7 +79,13 @@ class GeminiConfig:
             raise ValueError(
                 f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {self.mixed_precision}"
             )
-        for name in ("offload_param_frac", "offload_optim_frac"):
+        for name in (
+            "offload_param_frac",
+            "offload_optim_frac",
+            "disk_param_frac",
+            "disk_grad_frac",
+            "disk_optim_frac",
+        ):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
@@ -79,5 +103,37 @@ class GeminiConfig:
         timeout = self.checkpoint_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, got {timeout!r}")
+        self._check_disk()
         if self.device is None:
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+    def _check_disk(self) -> None:
+        fracs = {n: getattr(self, n) for n in ("disk_param_frac", "disk_grad_frac", "disk_optim_frac")}
+        for n in ("disk_io_threads", "disk_prefetch"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if n == "disk_io_threads" else 0):
+                raise ValueError(f"{n} must be an int >= {1 if n == 'disk_io_threads' else 0}, got {v!r}")
+        if self.host_memory_budget is not None and (
+            isinstance(self.host_memory_budget, bool)
+            or not isinstance(self.host_memory_budget, int)
+            or self.host_memory_budget <= 0
+        ):
+            raise ValueError(f"host_memory_budget must be a positive int of bytes, got {self.host_memory_budget!r}")
+        if self.disk_dir is None:
+            bad = {n: v for n, v in fracs.items() if v}
+            if bad or self.host_memory_budget is not None:
+                raise ValueError(f"{bad or 'host_memory_budget'} need disk_dir (the disk tier), got disk_dir=None")
+            return
+        if self.keep_gathered:
+            raise ValueError("disk_dir is not supported with keep_gathered=True")
+        if self.placement == "auto":
+            if self.host_memory_budget is None:
+                raise ValueError("placement='auto' with disk_dir needs host_memory_budget (bytes), got None")
+            bad = {n: v for n, v in fracs.items() if v}
+            if bad:
+                raise ValueError(f"{bad} are static-placement settings; placement='auto' plans the disk itself")
+        elif self.disk_param_frac > self.offload_param_frac:
+            raise ValueError(
+                f"disk_param_frac ({self.disk_param_frac}) must be <= offload_param_frac "
+                f"({self.offload_param_frac}): disk-homed working shards are fetched for each use"
+            )

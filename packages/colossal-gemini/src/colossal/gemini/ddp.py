@@ -145,7 +145,13 @@ class GeminiDDP(nn.Module):
         )
         self._module_chunks = self._collect_module_chunks(module)
         self._check_setup()
+        if self.config.disk_dir is not None:  # plan, free-space check and file: before any collective
+            from colossal.gemini.disk import setup
+
+            setup(self)
         self.manager.materialise(self.config.param_init_fn)
+        if self.manager.disk is not None:  # per-step disk counters start after the placement writes
+            self._disk_last = self.manager.disk.counters()
         self.trace = Trace()
         self.tracker = NonModelTracker(self._is_model_storage)
         self._storage_chunk = {c.payload.untyped_storage()._cdata: c for c in self.manager.chunks}
@@ -593,12 +599,33 @@ class GeminiDDP(nn.Module):
             chunks_on_host=m.chunks_on("host"),
             optim_on_device=sum(c.o_tier == "device" for c in m.chunks),
             belady_bytes=self.belady_bytes,
+            **self._disk_stats(),
         )
         self.stats_history.append(stats)
         m.traffic.to_device = m.traffic.to_host = 0
         m.traffic.seconds = 0.0
         self._reset_iteration()
         return stats
+
+    def _disk_stats(self) -> dict:
+        disk = self.manager.disk
+        if disk is None:
+            return {}
+        from colossal.gemini.disk import settle
+
+        for c in self.manager.chunks:  # reads ahead into the next step finish in this one's count
+            settle(self.manager, c)
+        disk.drain()
+        now = disk.counters()
+        last = getattr(self, "_disk_last", (0, 0, 0.0))
+        self._disk_last = now
+        return dict(
+            disk_bytes_read=now[0] - last[0],
+            disk_bytes_written=now[1] - last[1],
+            disk_wait_seconds=now[2] - last[2],
+            belady_disk_bytes=getattr(self, "belady_disk_bytes", None),
+            host_peak_bytes=self.manager.host.peak_bytes,
+        )
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Full fp32 state of the wrapped module (gathered; loads into the plain module).
@@ -651,6 +678,8 @@ _RUNTIME = frozenset(
         "_inflight",
         "warmup",
         "belady_bytes",
+        "belady_disk_bytes",
+        "_disk_last",
         "policy",
         "prefetcher",
         "trace",

@@ -38,7 +38,9 @@ class ChunkMoveEvent:
     end: float
     """``time.perf_counter()`` when it finished."""
     reason: str
-    """Why it moved: ``"fetch"``, ``"evict"``, ``"grad_offload"``, ``"param_refresh"``, ``"placement"``."""
+    """Why it moved: ``"fetch"``, ``"evict"``, ``"grad_offload"``, ``"param_refresh"``, ``"placement"``;
+    with a disk tier also ``"prefetch"``, ``"optim_read"``, ``"optim_write"``, ``"grad_check"``,
+    ``"checkpoint"`` and ``"io_wait"`` (``nbytes=0``: the training thread waited for disk I/O)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -117,7 +117,11 @@ class GeminiOptimizer:
                         fakes.append(nn.Parameter(chunk.master[:0]))
                         self.empty.append((fakes[-1], info.name))
                     continue
-                fake = nn.Parameter(chunk.master[lo:hi])
+                if "master" in chunk.on_disk:  # a placeholder until the step streams the block in
+                    fake = nn.Parameter(torch.empty(0).new_empty(hi - lo).resize_(hi - lo))
+                    fake.data.untyped_storage().resize_(0)
+                else:
+                    fake = nn.Parameter(chunk.master[lo:hi])
                 self.slices.setdefault(chunk.id, []).append((fake, lo, hi, info.name))
                 fakes.append(fake)
             group["params"] = fakes
@@ -151,6 +155,10 @@ class GeminiOptimizer:
 
     def step(self) -> bool:
         """Unscale, skip on overflow, clip, step, refresh the working weights; returns False when skipped."""
+        if self.manager.disk is not None:  # blocks on disk stream through the step (colossal.gemini.disk)
+            from colossal.gemini.disk import optimizer_step
+
+            return optimizer_step(self)
         with events.label("step"):
             grads = self._grads()
             if self.scaler.scale != 1.0:
@@ -231,6 +239,11 @@ class GeminiOptimizer:
     def move_block(self, chunk: Chunk, dst: str) -> None:
         """Move the chunk's optimizer block to tier ``dst`` (counted), re-pointing the optimizer's views."""
         m = self.manager
+        if chunk.on_disk:  # the block stays where the disk plan put it (its disk parts are charged there)
+            if not chunk.states_accounted and "states" not in chunk.on_disk:
+                m.host.charge(self.block_bytes(chunk) - chunk.master.numel() * 8)
+            chunk.states_accounted = True
+            return
         if not chunk.states_accounted:  # created by the first step on the host tier: account them there
             m.host.charge(self.block_bytes(chunk) - chunk.master.numel() * 8)
             chunk.states_accounted = True

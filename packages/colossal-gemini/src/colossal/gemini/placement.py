@@ -28,7 +28,16 @@ from colossal.gemini.chunk import Chunk
 from colossal.gemini.tiers import BudgetExceededError
 from colossal.gemini.tracer import Trace
 
-__all__ = ["BeladyResult", "belady", "PlacementPolicy", "WarmupPolicy", "StaticPolicy", "AutoPolicy"]
+__all__ = [
+    "BeladyResult",
+    "belady",
+    "TwoLevelResult",
+    "belady_two_level",
+    "PlacementPolicy",
+    "WarmupPolicy",
+    "StaticPolicy",
+    "AutoPolicy",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +91,37 @@ def belady(
     return BeladyResult(loads=loads, evictions=evictions, resident=frozenset(held))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TwoLevelResult:
+    """Offline optimum of the two-level hierarchy device <- host <- disk (counted over the last cycle)."""
+
+    device_loads: int
+    """Chunks fetched to the device (Belady at the device capacity)."""
+    device_evictions: int
+    """Chunks evicted from the device."""
+    disk_reads: int
+    """Chunks read from disk (Belady at device + host capacity)."""
+
+
+def belady_two_level(
+    accesses: Sequence[frozenset[int]], device_capacity: Sequence[int], host_capacity: int, cycles: int = 1
+) -> TwoLevelResult:
+    """Offline optimum of unit-size chunks over device <- host <- disk (exclusive tiers, the disk holds
+    every chunk and a clean copy of each, so only reads cost disk traffic).
+
+    Disk reads: a chunk is read when it enters device-or-host, whose combined capacity at step ``i`` is
+    ``device_capacity[i] + host_capacity``; any split of that set between device and host is reachable
+    by host<->device moves, which cost no disk traffic, so the minimum is Belady at the combined
+    capacity. Device loads: Belady at the device capacity. Each is the minimum of its own level; a
+    policy's traffic is at least each (``test_gemini_disk_belady.py`` checks both against a brute force
+    over the two-level states)."""
+    if host_capacity < 0:
+        raise ValueError(f"host_capacity must be >= 0, got {host_capacity}")
+    dev = belady(accesses, device_capacity, frozenset(), cycles)
+    both = belady(accesses, [c + host_capacity for c in device_capacity], frozenset(), cycles)
+    return TwoLevelResult(device_loads=dev.loads, device_evictions=dev.evictions, disk_reads=both.loads)
+
+
 class PlacementPolicy:
     """Decides fetches and evictions of working chunks on the device tier of one :class:`ChunkManager`."""
 
@@ -100,6 +140,11 @@ class PlacementPolicy:
     def victim(self, protect: set[int], i: int) -> Chunk | None:
         """The chunk to evict before operator ``i`` (None when nothing may go)."""
         raise NotImplementedError
+
+    def spill_rank(self, chunk: Chunk, i: int) -> float:
+        """Disk tier: host working shards spill to disk highest rank first (here: least recently used;
+        the auto policy ranks by traced next use)."""
+        return -self.last_use.get(chunk.id, -1)
 
     def fixed_bytes(self, exclude: set[int]) -> int:
         """Device bytes of working data this policy never evicts, over the chunks outside ``exclude``
@@ -190,10 +235,42 @@ class AutoPolicy(PlacementPolicy):
 
     name = "auto"
 
-    def __init__(self, manager, non_model, trace: Trace):
+    def __init__(self, manager, non_model, trace: Trace, disk_prefetch: int = 0):
         super().__init__(manager, non_model)
         self.uses = trace.next_uses()
         self.n = len(trace)
+        self.op_chunks = [op.chunk_ids for op in trace.ops]
+        self.disk_prefetch = disk_prefetch
+
+    def spill_rank(self, chunk: Chunk, i: int) -> float:
+        """Second level of the traced-order eviction: the host shard whose next use is furthest spills."""
+        return _next_use(self.uses, chunk.id, i, self.n, True)
+
+    def before_op(self, i: int, needed: Sequence[Chunk]) -> None:
+        """Fetch as the base policy, then start reading the next disk-resident chunks of the trace."""
+        super().before_op(i, needed)
+        if self.m.disk is not None and self.disk_prefetch and 0 <= i < self.n:
+            self._disk_ahead(i, {c.id for c in needed})
+
+    def _disk_ahead(self, i: int, protect: set[int]) -> None:
+        """Read ahead, in traced order, the next ``disk_prefetch`` distinct chunks; a read may spill only
+        host shards used later than the chunk read (Belady at the second level)."""
+        from colossal.gemini.disk import prefetch_shard
+
+        seen: set[int] = set()
+        for j in range(i + 1, i + self.n):
+            for cid in self.op_chunks[j % self.n]:
+                if cid in seen or cid in protect:
+                    continue
+                seen.add(cid)
+                c = self.m.chunks[cid]
+                if c.w_tier == "disk":
+                    nu = _next_use(self.uses, cid, i, self.n, True)
+                    allow = lambda v, nu=nu: self.spill_rank(v, i) > nu  # noqa: E731
+                    if not prefetch_shard(self.m, c, allow):
+                        return
+                if len(seen) >= self.disk_prefetch:
+                    return
 
     def victim(self, protect: set[int], i: int) -> Chunk | None:
         cands = self._evictable(protect)

@@ -38,6 +38,17 @@ class GeminiStats:
     belady_bytes: int | None
     """Bytes the offline optimum (Belady on the traced sequence, same budget) would move per step."""
 
+    disk_bytes_read: int = 0
+    """Bytes read from the disk tier during the step (0 without one)."""
+    disk_bytes_written: int = 0
+    """Bytes written to the disk tier during the step."""
+    disk_wait_seconds: float = 0.0
+    """Seconds the training thread waited for disk I/O during the step."""
+    belady_disk_bytes: int | None = None
+    """Disk bytes per step of the offline two-level optimum (see ``belady_two_level``), same plan."""
+    host_peak_bytes: int = 0
+    """Peak accounted host-tier bytes so far (with a disk tier: within ``host_memory_budget``)."""
+
     @property
     def bytes_moved(self) -> int:
         """Bytes moved both ways."""

@@ -12,7 +12,7 @@ those blocks (fused kernel) and on the host for the others (CPU kernel).
 
 from __future__ import annotations
 
-from colossal.gemini.placement import AutoPolicy, StaticPolicy, belady
+from colossal.gemini.placement import AutoPolicy, StaticPolicy, belady, belady_two_level
 from colossal.gemini.prefetch import build_prefetcher
 from colossal.gemini.tiers import BudgetExceededError
 
@@ -64,12 +64,12 @@ def finish_warmup(ddp, optimizer) -> None:
     blocks = {c.id: optimizer.block_bytes(c) for c in m.chunks}
     n = len(m.chunks)
     if cfg.placement == "static":
-        o_device = {c.id for c in m.chunks[: n - round(cfg.offload_optim_frac * n)]}
+        o_device = {c.id for c in m.chunks[: n - round(cfg.offload_optim_frac * n)] if not c.on_disk}
         policy = StaticPolicy(m, ddp._reserve, cfg.offload_param_frac)
         _static_check(ddp, policy, sum(blocks[c] for c in o_device))
     else:
-        o_device = _auto_optim_on_device(ddp, blocks)
-        policy = AutoPolicy(m, ddp._reserve, ddp.trace)
+        o_device = _auto_optim_on_device(ddp, blocks) - {c.id for c in m.chunks if c.on_disk}
+        policy = AutoPolicy(m, ddp._reserve, ddp.trace, cfg.disk_prefetch if m.disk is not None else 0)
     ddp.warmup = False
     policy.where, policy.advice = ddp.describe_op, ddp.budget_advice
     ddp.policy = policy
@@ -87,6 +87,34 @@ def finish_warmup(ddp, optimizer) -> None:
     if m.sharded and cfg.prefetch > 0:
         ddp.prefetcher = build_prefetcher(ddp, sum(blocks[c] for c in o_device))
     ddp.belady_bytes = optimum_bytes(ddp, sum(blocks[c] for c in o_device), o_device)
+    if m.disk is not None:
+        ddp.belady_disk_bytes = optimum_disk_bytes(ddp, sum(blocks[c] for c in o_device))
+
+
+def optimum_disk_bytes(ddp, o_device_bytes: int) -> int:
+    """Disk bytes per steady-state step of the offline optimum for the same disk plan: working-shard
+    reads of the two-level optimum (:func:`~colossal.gemini.placement.belady_two_level`) plus the
+    block I/O every schedule of that plan does (read master, gradient and states of each disk block,
+    write master and states back; gradients written once by backward)."""
+    m, trace = ddp.manager, ddp.trace
+    unit = _unit(m, m.chunks[0])
+    caps = [
+        max(0, (m.device.budget - op.non_model_bytes - op.pinned_bytes - o_device_bytes - _payload(m, op)) // unit)
+        for op in trace.ops
+    ]
+    caps = [max(cap, len(op.chunk_ids)) for cap, op in zip(caps, trace.ops)]
+    if isinstance(ddp.policy, StaticPolicy):  # the host holds every shard that is not disk-homed
+        host_cap = len(m.chunks) - len(m.disk_homed)
+    else:
+        host_cap = (m.host_allowance or 0) // m.chunks[0].shard_nbytes
+    reads = belady_two_level([frozenset(op.chunk_ids) for op in trace.ops], caps, host_cap, cycles=3).disk_reads
+    block = 0
+    for c in m.chunks:
+        n4 = c.shard_size * 4
+        states = 2 * n4
+        block += ("master" in c.on_disk) * 2 * n4 + ("grad" in c.on_disk) * 2 * n4
+        block += ("states" in c.on_disk) * 2 * states
+    return reads * unit + block
 
 
 def optimum_bytes(ddp, o_device_bytes: int, o_device: set[int]) -> int:
