@@ -64,10 +64,10 @@ def boosted_losses(plugin, build, batches: list[dict], loss_fn) -> list[float]:
 
 
 def errors_on_every_rank(fn) -> str:
-    """Run ``fn()``, which must raise ``ValueError``; return its message (each rank raises alone,
-    before any collective, or the run would hang and time out)."""
+    """Run ``fn()``, which must raise ``ValueError`` or ``TypeError``; return its message (each rank
+    raises alone, before any collective, or the run would hang and time out)."""
     try:
         fn()
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         return str(e)
-    raise AssertionError("no ValueError")
+    raise AssertionError("no ValueError / TypeError")

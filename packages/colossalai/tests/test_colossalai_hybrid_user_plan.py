@@ -1,7 +1,8 @@
 """``HybridParallelPlugin(plan=...)`` on a user's own model whose modules are named nothing like
 the GPT's (``mixer.wq``, ``ffn.0``), against the same model trained by plain PyTorch; the plan is
 checked up front (patterns that match nothing, the modules that exist); a model without a plan
-trains with ``tp_size=1`` and is refused with ``tp_size > 1``.
+trains with ``tp_size=1`` and is refused with ``tp_size > 1``; an attention module that cannot
+become sequence-parallel attention is refused, naming the attributes it lacks.
 
 Tolerance: fp32, 1e-5 relative per-step loss (tensor parallelism only reorders sums).
 """
@@ -105,6 +106,10 @@ def _world2():
         "bad_plan": errors_on_every_rank(
             lambda: _boost(HybridParallelPlugin(tp_size=2, plan={**PLAN, "blocks.*.attn": Style.HEADS}), TinyLM)
         ),
+        # sequence parallelism never guesses: Mixer's projections are wq/wk/wv/wo, not q_proj/...
+        "sp_unconvertible": errors_on_every_rank(
+            lambda: _boost(HybridParallelPlugin(tp_size=1, sp_size=2, plan={"layers.*.mixer": Style.ATTENTION}), TinyLM)
+        ),
     }
 
 
@@ -121,6 +126,8 @@ def test_user_plan_trains_like_plain_pytorch_and_bad_plans_fail_up_front():
         assert "pass plan=" in got["no_plan"] and "layers.*.mixer.wq" in got["no_plan"], got["no_plan"]
         assert "['blocks.*.attn'] match no module" in got["bad_plan"], got["bad_plan"]
         assert "layers.*.ffn.0" in got["bad_plan"], got["bad_plan"]
+        assert "Mixer cannot become sequence-parallel attention" in got["sp_unconvertible"], got["sp_unconvertible"]
+        assert "'q_proj', 'k_proj', 'v_proj', 'out_proj', 'is_causal (bool)'" in got["sp_unconvertible"]
 
 
 def test_user_plan_tp_x_dp_on_four_ranks():
