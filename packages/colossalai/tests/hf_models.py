@@ -22,6 +22,11 @@ def build(family: str):
                              num_key_value_heads=2, vocab_size=V, max_position_embeddings=32,
                              use_cache=False)  # fmt: skip
         return tf.LlamaForCausalLM(cfg)
+    if family == "mixtral":
+        cfg = tf.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=V, max_position_embeddings=32,
+                               num_local_experts=4, num_experts_per_tok=2, use_cache=False)  # fmt: skip
+        return tf.MixtralForCausalLM(cfg)
     if family == "bert":
         cfg = tf.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             vocab_size=V, max_position_embeddings=32, hidden_dropout_prob=0.0,
