@@ -8,6 +8,9 @@ Tolerance: fp32, 1e-5 relative per-step loss. Every plugin computes the same sum
 order (tensor-parallel partial products, ring attention chunks, gradient averages over ranks);
 measured differences are at most 2 ulp (~2.4e-7 absolute on losses near 4).
 
+The GPT-2 tensor-parallel model's full state dict is the Hugging Face one (names, dense shapes,
+values), so checkpoints stay loadable by ``transformers``.
+
 One spawn per world size runs every (family, plugin) case in sequence and reports each case's
 losses or error, so one failure does not hide the others.
 """
@@ -21,7 +24,7 @@ from hf_models import FAMILIES, batches, build, loss  # noqa: E402
 from plan_harness import boosted_losses, dense_losses  # noqa: E402
 
 from colossal.comm.testing import run_distributed  # noqa: E402
-from colossalai import GeminiPlugin, HybridParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin, ZeroPlugin  # noqa: E402
+from colossalai import Booster, GeminiPlugin, HybridParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin, ZeroPlugin  # noqa: E402
 
 PLUGINS = {
     2: {
@@ -65,14 +68,26 @@ def _all_cases(world: int) -> dict:
             out[family, name] = boosted_losses(PLUGINS[world][name](), lambda f=family: build(f), batches(family), loss)
         except Exception as e:  # noqa: BLE001 (reported per case by the test)
             out[family, name] = f"{type(e).__name__}: {e}"
-    return out
+    return out, _gpt2_tp_state() if world == 2 else None
+
+
+def _gpt2_tp_state() -> dict:
+    """GPT-2 boosted with tp=2 (per-head ``c_attn``, transposed ``Conv1D`` weights), as a full state dict."""
+    torch.manual_seed(0)
+    plugin = HybridParallelPlugin(tp_size=2)
+    model = build("gpt2")
+    model, *_ = Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
+    return plugin.full_model_state_dict(model.module)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_hf_models_train_like_plain_pytorch_under_every_plugin(world):
     refs = {f: torch.tensor(dense_losses(lambda f=f: build(f), batches(f), loss)) for f, _ in _cases(world)}
     failures = []
-    for rank, got in enumerate(run_distributed(_all_cases, world, world, timeout=300)):
+    for rank, (got, state) in enumerate(run_distributed(_all_cases, world, world, timeout=300)):
+        if state is not None:  # the Hugging Face names and dense shapes and values, untouched by tp
+            torch.manual_seed(0)
+            torch.testing.assert_close(state, dict(build("gpt2").state_dict()), rtol=0, atol=0)
         for (family, name), losses in got.items():
             if isinstance(losses, str):
                 failures.append(f"rank {rank} {family} {name}: {losses}")
