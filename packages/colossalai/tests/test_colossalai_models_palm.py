@@ -281,8 +281,15 @@ def test_cli_options_for_palm():
     validate.validate_train(args)  # the default preset becomes palm-mini
     for argv, message in (
         (["--preset", "tiny"], "--preset tiny is not a --model palm preset"),
-        (["--plugin", "hybrid", "--nproc", "2"], "--plugin hybrid splits --model gpt and moe-gpt only"),
+        (
+            ["--plugin", "hybrid", "--nproc", "4", "--tp-size", "4", "--tp-mode", "2d"],
+            "--model palm splits with --tp-mode 1d only",
+        ),
+        (["--plugin", "hybrid", "--nproc", "2", "--preset", "palm-tiny", "--tp-size", "2", "--seq-len", "32"], None),
     ):
+        if message is None:  # the hybrid plugin has PaLM's policy (colossalai.policies.PaLMPolicy)
+            validate.validate_train(parser.parse_args(["train", "--model", "palm", *argv]))
+            continue
         with pytest.raises(validate.UsageError, match=message):
             validate.validate_train(parser.parse_args(["train", "--model", "palm", *argv]))
     with pytest.raises(validate.UsageError, match="--preset palm-tiny is not a --model gpt preset"):

@@ -171,6 +171,7 @@ def _split_rules(config, plugin, per_rank_batch: int, seq_len: int) -> list[tupl
     if tp == 1:
         return rules
     if mode == "1d":
+        rules += [(config.ffn_hidden, tp, "ffn_hidden", "--tp-size")] if hasattr(config, "ffn_hidden") else []
         return rules + [(h, tp, "n_head", "--tp-size"), (v, tp, "vocab_size", "--tp-size")]
     rules += [(h, q, "n_head", f"the {mode} grid side {q}"), (c, q**power, "n_embd", f"{mode} q^{power} = {q**power}")]
     rules.append((v, q ** (power - 1), "vocab_size", f"{mode} q^{power - 1}"))
@@ -222,10 +223,9 @@ def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
     from colossalai.models import model_family
 
     family = model_family(args.model)
-    if args.model == "palm" and args.plugin == "hybrid":  # its built-in tensor/sequence-parallel plan is the GPT's
-        raise UsageError(
-            f"--plugin hybrid splits --model gpt and moe-gpt only; "
-            f"train --model {args.model} with ddp, fsdp, zero or gemini"
+    if args.model == "palm" and getattr(plugin, "tp_size", 1) > 1 and getattr(plugin, "tp_mode", "1d") != "1d":
+        raise UsageError(  # colossalai.policies.PaLMPolicy: one shared key/value head, replicated over tp
+            f"--model palm splits with --tp-mode 1d only (multi-query attention), got --tp-mode {plugin.tp_mode}"
         )
     preset = family.preset(args.preset)
     config = family.config(preset)

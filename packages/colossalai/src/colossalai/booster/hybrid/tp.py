@@ -6,32 +6,44 @@ import itertools
 
 from torch import nn
 
+from colossalai.booster.hybrid.plans import ModelPlan
 from colossalai.booster.hybrid.shards import ShardIndex
 from colossalai.booster.hybrid.wrappers import GatherLogits, gather_fn
 
 __all__ = ["apply_tp"]
 
 
-def real_modules_plan(model: nn.Module, mode: str) -> dict:
-    """``gpt_plan(mode)`` narrowed to the modules whose tensors are all real: under pipeline
-    parallelism the other stages' modules are meta (``[Note: meta construction under pp]`` in
-    :mod:`.pp`) and stay dense and meta, never run on this rank."""
-    from colossal.tensor_parallel import gpt_plan, resolve_plan
+def real_modules_plan(model: nn.Module, plan: dict) -> dict:
+    """``plan`` narrowed to the modules whose tensors are all real: under pipeline parallelism the
+    other stages' modules are meta (``[Note: meta construction under pp]`` in :mod:`.pp`) and stay
+    dense and meta, never run on this rank."""
+    from colossal.tensor_parallel import resolve_plan
 
     real = lambda m: not any(t.is_meta for t in itertools.chain(m.parameters(), m.buffers()))  # noqa: E731
-    return {name: style for name, module, style in resolve_plan(model, gpt_plan(mode)) if real(module)}
+    return {name: style for name, module, style in resolve_plan(model, plan) if real(module)}
 
 
-def apply_tp(model: nn.Module, mesh, mode: str, depth: int) -> tuple[GatherLogits, ShardIndex | None]:
-    """Convert ``model`` in place to ``mode`` (1d, 2d, 2.5d, 3d) over the ``tp`` axis; returns it
-    wrapped so that its split logits come out gathered, and (2D/2.5D/3D) the shard index maps
-    its checkpoints need (``[Note: shard index maps]``), built from the dense model first.
+def apply_tp(model: nn.Module, mesh, mode: str, depth: int, plan: ModelPlan) -> tuple[GatherLogits, ShardIndex | None]:
+    """Convert ``model`` in place to ``mode`` (1d, 2d, 2.5d, 3d) over the ``tp`` axis with
+    ``plan``; returns it wrapped so that its split logits (if any) come out gathered, and the
+    shard index maps its checkpoints need (``[Note: shard index maps]``; 2D/2.5D/3D, and 1D
+    layouts that are not one contiguous split per parameter), built from the dense model first.
     A model holding meta tensors (other pipeline stages') has only its real modules converted."""
     from colossal.tensor_parallel import parallelize
 
     target = mesh.group("tp") if mode == "1d" else mesh.layout(mode, "tp", depth=depth)
-    plan = real_modules_plan(model, mode) if any(t.is_meta for t in model.parameters()) else None
-    convert = lambda m: parallelize(m, mode, target, plan, depth=depth)  # noqa: E731
-    shards = ShardIndex(model, convert, mesh.group("tp")) if mode != "1d" else None
+    tp_plan = plan.tp
+    if tp_plan and any(t.is_meta for t in model.parameters()):
+        tp_plan = real_modules_plan(model, tp_plan)
+
+    def convert(m: nn.Module) -> None:
+        if plan.policy is not None:  # a Hugging Face family: its own modules first (GPT-2 Conv1D)
+            plan.policy.convert_tp(m, target, mode)
+        if tp_plan:
+            parallelize(m, mode, target, tp_plan, depth=depth)
+
+    indexed = mode != "1d" or (plan.policy is not None and plan.policy.permutes)
+    shards = ShardIndex(model, convert, mesh.group("tp")) if indexed else None
     convert(model)
-    return GatherLogits(model, gather_fn(mode, target)), shards
+    gather = gather_fn(mode, target) if mode != "1d" or plan.splits_logits else None
+    return GatherLogits(model, gather), shards
