@@ -19,7 +19,7 @@ from colossal.tensor_parallel.one_d import (
     split_input_1d,
 )
 from colossal.tensor_parallel.parallelize import MODES, convert_dropouts, dropout_mode, parallelize
-from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, replace_module, resolve_plan
+from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, module_names, replace_module, resolve_plan
 from colossal.tensor_parallel.rng import DropoutMode, ParallelDropout, RNGTracker
 from colossal.tensor_parallel.sequence import (
     SequenceParallelAttention,
@@ -127,6 +127,7 @@ __all__ = [
     "cross_entropy_1d",
     "gather_output_1d",
     "gpt_plan",
+    "module_names",
     "grid_side",
     "replace_module",
     "resolve_plan",

@@ -18,7 +18,7 @@ from torch import nn
 
 from colossal.tensor_parallel.validation import check_divisible
 
-__all__ = ["Style", "Factory", "gpt_plan", "resolve_plan", "replace_module", "convert_model"]
+__all__ = ["Style", "Factory", "gpt_plan", "module_names", "resolve_plan", "replace_module", "convert_model"]
 
 Factory = Callable[[nn.Module], nn.Module | None]
 """Builds the parallel replacement of one dense module (``None``: keep the module as it is)."""
@@ -71,6 +71,22 @@ def gpt_plan(mode: str = "1d") -> dict[str, Style]:
     }
 
 
+def module_names(model: nn.Module, limit: int = 60) -> str:
+    """``model``'s submodule names for error messages, the indices of ``nn.ModuleList`` entries
+    folded into ``*`` (``blocks.*.attn.q_proj`` once, not once per layer; ``nn.Sequential``
+    indices stay), at most ``limit`` of them."""
+    lists = {name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    seen: dict[str, None] = {}
+    for name, _ in model.named_modules():
+        parts = name.split(".") if name else []
+        folded = ["*" if i and ".".join(parts[:i]) in lists else part for i, part in enumerate(parts)]
+        if folded:
+            seen.setdefault(".".join(folded), None)
+    names = list(seen)
+    more = f" ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def resolve_plan(model: nn.Module, plan: dict[str, Style | str]) -> list[tuple[str, nn.Module, Style]]:
     """``(name, module, style)`` for every module matched by a plan pattern, in module order.
 
@@ -88,7 +104,9 @@ def resolve_plan(model: nn.Module, plan: dict[str, Style | str]) -> list[tuple[s
             out.append((name, module, styles[hits[0]]))
     unused = sorted(set(styles) - used)
     if unused:
-        raise ValueError(f"plan patterns {unused} match no module of {type(model).__name__}")
+        raise ValueError(
+            f"plan patterns {unused} match no module of {type(model).__name__}; its modules are: {module_names(model)}"
+        )
     return out
 
 

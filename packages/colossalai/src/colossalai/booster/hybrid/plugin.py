@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.hybrid.dp import apply_ddp, dp_group
 from colossalai.booster.hybrid.ep import ExpertParallel, ExpertParallelOptimizer, apply_expert_parallel, check_ep
+from colossalai.booster.hybrid.plans import check_user_plan, model_plan
 from colossalai.booster.hybrid.pp import (
     SCHEDULES,
     PipelineModule,
@@ -118,6 +119,7 @@ class HybridParallelPlugin(Plugin):
         pp_schedule: str = "1f1b",
         pp_virtual: int = 1,
         ep_size: int = 1,
+        plan: dict | None = None,
     ) -> None:
         sizes = (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size), ("pp_size", pp_size))
         sizes += (("ep_size", ep_size),)
@@ -145,6 +147,9 @@ class HybridParallelPlugin(Plugin):
                     f"ep_size={ep_size} composes with data parallelism (DDP) and 1D tensor parallelism only "
                     f"(sp_size=1, pp_size=1, zero_stage=0), got {', '.join(f'{k}={v}' for k, v in bad.items())}"
                 )
+        self.plan = None if plan is None else check_user_plan(plan)
+        """The user's module-name pattern -> Style(s) (``[Note: one plan for tensor and sequence
+        parallelism]`` in :mod:`.plans`); ``None``: the built-in plan of the model's family."""
         self.ep_size = ep_size
         self._ep: ExpertParallel | None = None  # what apply_expert_parallel did (ep_size > 1)
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
@@ -203,6 +208,7 @@ class HybridParallelPlugin(Plugin):
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
             check_ep(model, self.ep_size, self.dp_size())
+        plan = model_plan(model, self.plan, self.tp_mode, needed=self.tp_size > 1 or self.sp_size > 1)
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)
@@ -210,10 +216,11 @@ class HybridParallelPlugin(Plugin):
         self._precision = precision
         with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
             wrapped = model
-            if self.tp_size > 1 or self.sp_size == self.pp_size == 1:  # 1. tp converts the dense layers
-                wrapped, self._shards = apply_tp(model, mesh, self.tp_mode, self.tp_depth)
+            # 1. tp converts the dense layers (tp_size=1 without a plan: nothing to convert)
+            if plan is not None and (self.tp_size > 1 or self.sp_size == self.pp_size == 1):
+                wrapped, self._shards = apply_tp(model, mesh, self.tp_mode, self.tp_depth, plan)
             if self.sp_size > 1:  # 2. sp: attention over sequence chunks, on the (tp) layers
-                wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes)
+                wrapped = apply_sp(model, wrapped, mesh, self.sp_kind, self._dense_shapes, plan)
             if self.pp_size > 1:  # 3. pp cuts the converted model into this rank's stages
                 self._pipe = apply_pp(
                     model, mesh, num_microbatches=self.num_microbatches, schedule=self.pp_schedule,
@@ -394,4 +401,5 @@ class HybridParallelPlugin(Plugin):
             ]
             parts += [f"pp_virtual={self.pp_virtual}"] if self.pp_virtual > 1 else []
         parts += [f"ep_size={self.ep_size}"] if self.ep_size > 1 else []
+        parts += [f"plan={{{len(self.plan)} patterns}}"] if self.plan is not None else []
         return f"HybridParallelPlugin({', '.join(parts)})"

@@ -76,15 +76,17 @@ def gather_fn(mode: str, target):
 
 
 class GatherLogits(nn.Module):
-    """Runs the tensor-parallel model and gathers its split logits into the full ``(B, T, V)``."""
+    """Runs the tensor-parallel model and gathers its split logits into the full ``(B, T, V)``
+    (``gather=None``: a model whose output is not split, returned as it is)."""
 
     def __init__(self, module: nn.Module, gather) -> None:
         super().__init__()
         self.module, self.gather = module, gather
 
     def forward(self, *args, **kwargs):
-        """The wrapped model's output, gathered."""
-        return self.gather(self.module(*args, **kwargs))
+        """The wrapped model's output, gathered (as it is when ``gather`` is ``None``)."""
+        out = self.module(*args, **kwargs)
+        return out if self.gather is None else self.gather(out)
 
 
 class SequenceParallel(nn.Module):
@@ -118,12 +120,12 @@ def _global_positions(module, args, *, group, limit: int):
     return (pos + offset, *args[1:])
 
 
-def sequence_after_tensor(model: nn.Module, group, kind: str, dense_shapes: dict) -> None:
-    """Make a tensor-parallel GPT sequence parallel over ``group`` (``[Note: tensor x sequence
-    parallel]``); ``dense_shapes``: parameter name -> dense shape, for the number of positions."""
-    from colossal.tensor_parallel import Style, apply_sequence, gpt_plan, resolve_plan
+def sequence_after_tensor(model: nn.Module, group, kind: str, dense_shapes: dict, plan: dict) -> None:
+    """Make a tensor-parallel model sequence parallel over ``group`` with the sequence ``plan``
+    (``[Note: tensor x sequence parallel]``); ``dense_shapes``: parameter name -> dense shape, for
+    the number of positions."""
+    from colossal.tensor_parallel import Style, apply_sequence, resolve_plan
 
-    plan = gpt_plan("sequence")
     attention = {k: s for k, s in plan.items() if s == Style.ATTENTION}
     replaced = {name: module for name, module, _ in resolve_plan(model, attention)}
     for name, module, style in resolve_plan(model, plan):

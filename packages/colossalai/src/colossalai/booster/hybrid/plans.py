@@ -1,0 +1,108 @@
+"""Which plan the hybrid plugin applies to a model: the user's ``plan=``, or a built-in one (the
+``colossalai`` GPT and PaLM, a Hugging Face family by ``model.config.model_type``), checked
+against the model's module names before any collective.
+
+[Note: one plan for tensor and sequence parallelism]
+``colossal.tensor_parallel.parallelize`` takes one plan per mode: the tensor-parallel plan marks an
+attention module ``HEADS`` (its head count is divided), the sequence plan marks the same module
+``ATTENTION`` (it becomes ring / all-to-all attention). The plugin's ``plan=`` is one mapping for
+both: a value is a :class:`~colossal.tensor_parallel.Style` or a tuple of them
+(``"blocks.*.attn": (Style.HEADS, Style.ATTENTION)``). The tensor-parallel part is every style
+except ``ATTENTION``; the sequence part is ``ATTENTION`` and ``POS_EMBED``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+__all__ = ["ModelPlan", "check_user_plan", "model_plan"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelPlan:
+    """What the hybrid plugin does to one model."""
+
+    tp: dict
+    """Pattern -> Style for ``colossal.tensor_parallel.parallelize`` (1D/2D/2.5D/3D)."""
+    sp: dict
+    """Pattern -> Style (``ATTENTION``, ``POS_EMBED``) for sequence parallelism."""
+    source: str
+    """Where the plan comes from, for messages: ``"plan="``, ``"colossalai GPT"``, ``"hf:llama"``."""
+    policy: object | None = None
+    """A Hugging Face policy (:mod:`colossalai.policies`) when the model is a ``transformers`` one."""
+    extra: dict = field(default_factory=dict)
+    """Policy-specific settings (e.g. the GPT-2 fused projections)."""
+
+    @property
+    def splits_logits(self) -> bool:
+        """Whether the tensor-parallel model's output is split along the vocabulary (an ``LM_HEAD``)."""
+        from colossal.tensor_parallel import Style
+
+        return any(Style(s) == Style.LM_HEAD for s in self.tp.values())
+
+
+def _styles(value) -> tuple:
+    from colossal.tensor_parallel import Style
+
+    values = value if isinstance(value, tuple | list) else (value,)
+    try:
+        return tuple(Style(v) for v in values)
+    except ValueError:
+        raise ValueError(f"plan value {value!r} is not a Style; choose from {[s.value for s in Style]}") from None
+
+
+def check_user_plan(plan) -> dict:
+    """``plan=`` as given to the plugin: a dict of ``str`` pattern -> Style (or a tuple of Styles)."""
+    if not isinstance(plan, dict) or not plan:
+        raise TypeError(f"plan must be a non-empty dict of module-name pattern -> Style, got {plan!r}")
+    bad = [k for k in plan if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"plan keys must be str module-name patterns, got {bad}")
+    return {pattern: _styles(value) for pattern, value in plan.items()}
+
+
+def _split(plan: dict, model: nn.Module, source: str) -> ModelPlan:
+    """Validate ``plan`` (pattern -> tuple of Styles) against ``model`` and split it by mode."""
+    from colossal.tensor_parallel import Style, resolve_plan
+
+    resolve_plan(model, {p: styles[0] for p, styles in plan.items()})  # every pattern used, none overlapping
+    tp, sp = {}, {}
+    for pattern, styles in plan.items():
+        for style in styles:
+            if style in (Style.ATTENTION, Style.POS_EMBED):
+                sp[pattern] = style
+            if style != Style.ATTENTION:
+                tp[pattern] = style
+    return ModelPlan(tp=tp, sp=sp, source=source)
+
+
+def _builtin(model: nn.Module, tp_mode: str) -> ModelPlan | None:
+    from colossal.tensor_parallel import gpt_plan
+    from colossalai.models import GPT
+
+    if isinstance(model, GPT):
+        return ModelPlan(tp=gpt_plan(tp_mode), sp=gpt_plan("sequence"), source="colossalai GPT")
+    return None
+
+
+def model_plan(model: nn.Module, plan: dict | None, tp_mode: str, needed: bool) -> ModelPlan | None:
+    """The plan for ``model``: the user's (validated), else a built-in one, else ``None`` when
+    ``needed`` is false (no tensor or sequence parallelism to apply). Raises ``ValueError`` (on
+    every rank, before any collective) for a plan that does not fit the model or a model that
+    needs a plan and has none."""
+    if plan is not None:
+        return _split(plan, model, "plan=")
+    found = _builtin(model, tp_mode)
+    if found is not None or not needed:
+        return found
+    from colossal.tensor_parallel import module_names
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    known = "" if model_type is None else f" (config.model_type={model_type!r} has no built-in policy)"
+    raise ValueError(
+        f"HybridParallelPlugin has no tensor/sequence-parallel plan for {type(model).__name__}{known}: "
+        f"pass plan={{module-name pattern: Style}} (colossal.tensor_parallel.Style); "
+        f"its modules are: {module_names(model)}"
+    )
