@@ -67,9 +67,22 @@ def hf_logits(folder, x):
     return logits_of(model, x), strict
 
 
+LLAMA_TP_PLAN = {  # a user's plan (Megatron 1D): q/k/v, gate/up split by columns, o/down by rows
+    "model.layers.*.self_attn.q_proj": "col",
+    "model.layers.*.self_attn.k_proj": "col",
+    "model.layers.*.self_attn.v_proj": "col",
+    "model.layers.*.self_attn.o_proj": "row",
+    "model.layers.*.mlp.gate_proj": "col",
+    "model.layers.*.mlp.up_proj": "col",
+    "model.layers.*.mlp.down_proj": "row",
+}
+
+
 def _plugin(spec: str):
     kwargs = {"zero1": {"stage": 1}, "zero2": {"stage": 2}, "zero3": {"stage": 3}}.get(spec, {})
-    if spec.startswith("hybrid"):  # "hybrid-tp2"
+    if spec == "hybrid-tp2-plan":  # a user plan (no built-in policy needed)
+        return make_plugin("hybrid", tp_size=2, plan=LLAMA_TP_PLAN)
+    if spec.startswith("hybrid"):  # "hybrid-tp2": the built-in policy of the family
         return make_plugin("hybrid", tp_size=int(spec.rsplit("tp", 1)[1]))
     return make_plugin("zero" if spec.startswith("zero") else spec, **kwargs)
 
@@ -242,9 +255,24 @@ def test_each_rank_reads_its_slices_and_gets_the_folder_logits(tmp_path, spec):
 @pytest.mark.parametrize("spec", ["zero3", "gemini"])
 def test_folder_boost_train_export_from_pretrained(tmp_path, spec):
     src = saved_folder(tmp_path, gpt2_config())
-    out = tmp_path / "out"
-    results = run_distributed(load_train_export, 2, spec, str(src), str(out), "gpt2", timeout=180)
+    _round_trip(src, tmp_path / "out", spec)
+
+
+def test_folder_tp2_user_plan_train_export_from_pretrained(tmp_path):
+    """tp=2 over a Hugging Face Llama with a user's plan: each rank reads its half of every split
+    weight (o_proj/down_proj by columns: read_box), trains, and the export loads in transformers."""
+    src = saved_folder(tmp_path, llama_config())
+    want, _ = hf_logits(src, tokens())
+    results = _round_trip(src, tmp_path / "out", "hybrid-tp2-plan")
+    for r in results:
+        torch.testing.assert_close(r["loaded"], want, rtol=1e-5, atol=1e-6)
+        assert r["read"] < 0.8 * _numel(src), (r["read"], _numel(src))
+
+
+def _round_trip(src, out, spec):
+    results = run_distributed(load_train_export, 2, spec, str(src), str(out), "", timeout=180)
     got, info = hf_logits(out, tokens())
     assert not any(info.values()), info
     for r in results:
         torch.testing.assert_close(got, r["trained"], rtol=1e-5, atol=1e-6)
+    return results
