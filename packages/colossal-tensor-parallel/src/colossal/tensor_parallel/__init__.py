@@ -7,6 +7,7 @@ One module per mode (:mod:`~colossal.tensor_parallel.one_d`, ``two_d``, ``two_p5
 """
 
 from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from colossal.tensor_parallel.hf import HF_TP_RULES, hf_plan
 from colossal.tensor_parallel.one_d import (
     Embedding1D,
     LayerNorm1D,
@@ -27,6 +28,7 @@ from colossal.tensor_parallel.sequence import (
     all_reduce_gradients,
     all_to_all_attention,
     apply_sequence,
+    check_convertible,
     gather_sequence,
     ring_attention,
     split_sequence,
@@ -110,6 +112,7 @@ __all__ = [
     "apply_sequence",
     "all_to_all_attention",
     "all_reduce_gradients",
+    "check_convertible",
     "SequencePositionEmbedding",
     "SequenceParallelAttention",
     "DropoutMode",
@@ -127,6 +130,8 @@ __all__ = [
     "cross_entropy_1d",
     "gather_output_1d",
     "gpt_plan",
+    "hf_plan",
+    "HF_TP_RULES",
     "module_names",
     "grid_side",
     "replace_module",

@@ -32,6 +32,7 @@ __all__ = [
     "ring_attention",
     "all_to_all_attention",
     "SequenceParallelAttention",
+    "check_convertible",
     "SequencePositionEmbedding",
     "split_sequence",
     "gather_sequence",
@@ -63,50 +64,94 @@ def _ring_chunks(x: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
     return chunks
 
 
+def _mask_scores(scores: torch.Tensor, rows0: int, causal: bool, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mask ``scores (B, h, t, T)`` whose rows are global query positions ``rows0 + i``: causal
+    (a key after the query) and key padding (``key_mask (B, T)``, ``False`` = padding). Masked
+    scores get the dtype's lowest value, as Hugging Face's eager attention does, so that a row
+    with nothing to attend gives a uniform average rather than NaN."""
+    low = torch.finfo(scores.dtype).min
+    if causal:
+        rows = torch.arange(scores.shape[-2], device=scores.device).unsqueeze(1) + rows0
+        cols = torch.arange(scores.shape[-1], device=scores.device).unsqueeze(0)
+        scores = scores.masked_fill(cols > rows, low)
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask.bool()[:, None, None, :], low)
+    return scores
+
+
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    causal: bool = True,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Exact attention of sequence-split ``q, k, v`` ``(B, h, T/P, d)`` (rank ``r`` holds tokens
-    ``[r*T/P, (r+1)*T/P)``) by ring ``QK^T`` and ring ``AV``; returns ``(B, h, T/P, d)``."""
+    ``[r*T/P, (r+1)*T/P)``) by ring ``QK^T`` and ring ``AV``; returns ``(B, h, T/P, d)``.
+
+    ``causal``: a query attends to keys at or before its global position; ``key_mask (B, T)``
+    (the whole sequence, ``False`` = padding) hides keys; ``scale`` defaults to ``1/sqrt(d)``;
+    ``dropout_p`` drops attention probabilities (training)."""
     p, r, t = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
     with torch.profiler.record_function("colossal.tensor_parallel::ring_qk"):
         scores = torch.cat([q @ kc.transpose(-1, -2) for kc in _ring_chunks(k, group)], dim=-1)  # (B,h,t,T)
-        scores = scores * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        rows = torch.arange(t, device=q.device).unsqueeze(1) + r * t
-        cols = torch.arange(p * t, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(cols > rows, float("-inf"))
-    probs = scores.softmax(dim=-1)  # (B, h, t, T)
+        scores = scores * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    probs = _mask_scores(scores, r * t, causal, key_mask).softmax(dim=-1)  # (B, h, t, T)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
     with torch.profiler.record_function("colossal.tensor_parallel::ring_av"):
         vs = _ring_chunks(v, group)
         return sum(probs[..., j * t : (j + 1) * t] @ vs[j] for j in range(p))
 
 
 def all_to_all_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    causal: bool = True,
+    *,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Exact attention of sequence-split ``q, k, v`` ``(B, h, T/P, d)`` through a switch to
-    head-split ``(B, h/P, T, d)`` and back (``h`` must be divisible by ``P``)."""
+    head-split ``(B, h/P, T, d)`` and back (``h`` must be divisible by ``P``); ``causal``,
+    ``scale``, ``key_mask (B, T)`` and ``dropout_p`` as in :func:`ring_attention`."""
     check_divisible(q.shape[1], dist.get_world_size(group), "heads", "the sequence group size")
     with torch.profiler.record_function("colossal.tensor_parallel::all_to_all_attention"):
         qh, kh, vh = (all_to_all_along_dims(x, 1, 2, group) for x in (q, k, v))  # (B, h/P, T, d)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+        if key_mask is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout_p, is_causal=causal, scale=scale)
+        else:
+            b, _, n, _ = qh.shape
+            bias = _mask_scores(qh.new_zeros(b, 1, n, n), 0, causal, key_mask)  # (B, 1, T, T) additive
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, dropout_p=dropout_p, scale=scale)
         return all_to_all_along_dims(out, 2, 1, group)  # (B, h, T/P, d)
 
 
 class SequenceParallelAttention(nn.Module):
-    """A causal self-attention block (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``,
-    ``n_head``, optional ``resid_drop``) on a sequence-split input ``(B, T/P, C)``."""
+    """A self-attention block (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``n_head``,
+    ``is_causal``, optional ``resid_drop``) on a sequence-split input ``(B, T/P, C)``: causal or
+    bidirectional as the module's ``is_causal`` says."""
+
+    NEEDS = ("q_proj", "k_proj", "v_proj", "out_proj", "n_head", "is_causal")
+    """The attributes a dense attention module must have to be converted."""
 
     def __init__(self, attn: nn.Module, group: ProcessGroup, kind: str = "ring"):
         super().__init__()
         if kind not in ("ring", "all_to_all"):
             raise ValueError(f"kind must be 'ring' or 'all_to_all', got {kind!r}")
+        check_convertible(attn)
         if kind == "all_to_all":
             check_divisible(attn.n_head, dist.get_world_size(group), "n_head", "the sequence group size")
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj
         self.resid_drop = getattr(attn, "resid_drop", nn.Identity())
-        self.n_head, self.group, self.kind = attn.n_head, group, kind
+        self.n_head, self.group, self.kind, self.is_causal = attn.n_head, group, kind, attn.is_causal
 
     @classmethod
     def from_dense(cls, attn: nn.Module, group: ProcessGroup, kind: str = "ring") -> SequenceParallelAttention:
@@ -120,8 +165,24 @@ class SequenceParallelAttention(nn.Module):
             proj(x).view(b, t, self.n_head, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         attend = ring_attention if self.kind == "ring" else all_to_all_attention
-        y = attend(q, k, v, self.group).transpose(1, 2).reshape(b, t, -1)
+        y = attend(q, k, v, self.group, causal=self.is_causal).transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.out_proj(y))
+
+
+def check_convertible(attn: nn.Module) -> None:
+    """Raise ``TypeError`` naming what ``attn`` lacks to become a :class:`SequenceParallelAttention`
+    (its semantics, causal or not, must be stated by ``is_causal``, never guessed)."""
+    missing = [
+        a for a in ("q_proj", "k_proj", "v_proj", "out_proj") if not isinstance(getattr(attn, a, None), nn.Module)
+    ]
+    missing += [] if isinstance(getattr(attn, "n_head", None), int) else ["n_head (int)"]
+    missing += [] if isinstance(getattr(attn, "is_causal", None), bool) else ["is_causal (bool)"]
+    if missing:
+        raise TypeError(
+            f"{type(attn).__name__} cannot become sequence-parallel attention: it lacks {missing}; a converted "
+            f"module needs q_proj, k_proj, v_proj, out_proj (modules), n_head (int) and is_causal (bool), and "
+            f"its forward must be attention(x) -> out_proj(softmax(q k^T / sqrt(d) [+ causal mask]) v)"
+        )
 
 
 class SequencePositionEmbedding(nn.Module):

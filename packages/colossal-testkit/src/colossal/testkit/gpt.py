@@ -74,6 +74,7 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(c, c, bias=config.bias)
         self.n_head = config.n_head  # heads of this module (a tensor-parallel conversion divides it)
         self.resid_drop = nn.Dropout(config.dropout)
+        self.is_causal = True  # read by sequence-parallel attention, which keeps the mask it is told
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, C)."""

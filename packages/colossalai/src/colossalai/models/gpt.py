@@ -75,6 +75,7 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(c, c, bias=config.bias)
         self.out_proj = nn.Linear(c, c, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
+        self.is_causal = True  # read by sequence-parallel attention, which keeps the mask it is told
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

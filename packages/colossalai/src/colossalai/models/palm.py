@@ -124,6 +124,10 @@ class MultiQueryAttention(nn.Module):
         self.k_proj = nn.Linear(d, hd, bias=False)
         self.v_proj = nn.Linear(d, hd, bias=False)
         self.out_proj = nn.Linear(config.n_head * hd, d, bias=False)
+        self.sequence: tuple | None = None
+        """``(group, kind)`` under sequence parallelism (``colossalai.policies.PaLMPolicy``): the input
+        is this rank's chunk of the sequence, RoPE uses global positions and the attention is
+        ``colossal.tensor_parallel`` ring (``kind="ring"``) or all-to-all attention."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, C) -> (B, T, C). Heads are read from ``q_proj``'s output width."""
@@ -131,12 +135,27 @@ class MultiQueryAttention(nn.Module):
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(b, t, 1, self.head_dim).transpose(1, 2)  # (B, 1, T, hd)
         v = self.v_proj(x).view(b, t, 1, self.head_dim).transpose(1, 2)  # (B, 1, T, hd)
-        cos, sin = rope_angles(t, self.head_dim, self.rope_base, x.device)
+        rank, ranks = (0, 1) if self.sequence is None else _group_rank_size(self.sequence[0])
+        cos, sin = rope_angles(t * ranks, self.head_dim, self.rope_base, x.device)
+        cos, sin = cos[rank * t : (rank + 1) * t], sin[rank * t : (rank + 1) * t]  # this chunk's positions
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         nh = q.shape[1]
         # The one K/V head serves every query head: expand is a view, its gradient sums over heads.
-        y = F.scaled_dot_product_attention(q, k.expand(b, nh, t, -1), v.expand(b, nh, t, -1), is_causal=True)
+        k, v = k.expand(b, nh, t, -1), v.expand(b, nh, t, -1)
+        if self.sequence is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            from colossal.tensor_parallel import all_to_all_attention, ring_attention
+
+            attend = ring_attention if self.sequence[1] == "ring" else all_to_all_attention
+            y = attend(q, k.contiguous(), v.contiguous(), self.sequence[0], causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
+
+
+def _group_rank_size(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class SwiGLU(nn.Module):

@@ -80,22 +80,42 @@ def _split(plan: dict, model: nn.Module, source: str) -> ModelPlan:
 
 def _builtin(model: nn.Module, tp_mode: str) -> ModelPlan | None:
     from colossal.tensor_parallel import gpt_plan
-    from colossalai.models import GPT
+    from colossalai.models import GPT, PaLM
+    from colossalai.policies import PaLMPolicy, hf_policy
 
     if isinstance(model, GPT):
         return ModelPlan(tp=gpt_plan(tp_mode), sp=gpt_plan("sequence"), source="colossalai GPT")
-    return None
+    policy = PaLMPolicy() if isinstance(model, PaLM) else hf_policy(model)
+    if policy is None:
+        return None
+    source = "colossalai PaLM" if isinstance(model, PaLM) else f"hf:{policy.model_type}"
+    return ModelPlan(tp=policy.plan(model), sp={}, source=source, policy=policy)
 
 
-def model_plan(model: nn.Module, plan: dict | None, tp_mode: str, needed: bool) -> ModelPlan | None:
+def _check_sequence(model: nn.Module, sp: dict) -> None:
+    from colossal.tensor_parallel import Style, check_convertible, resolve_plan
+
+    for _name, module, style in resolve_plan(model, sp):
+        if style == Style.ATTENTION:
+            check_convertible(module)
+
+
+def model_plan(
+    model: nn.Module, plan: dict | None, *, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int
+) -> ModelPlan | None:
     """The plan for ``model``: the user's (validated), else a built-in one, else ``None`` when
-    ``needed`` is false (no tensor or sequence parallelism to apply). Raises ``ValueError`` (on
-    every rank, before any collective) for a plan that does not fit the model or a model that
-    needs a plan and has none."""
+    there is no tensor or sequence parallelism to apply. Raises ``ValueError`` / ``TypeError`` (on
+    every rank, before any collective) for a plan that does not fit the model, a model its policy
+    cannot split with these sizes, or a model that needs a plan and has none."""
     if plan is not None:
-        return _split(plan, model, "plan=")
-    found = _builtin(model, tp_mode)
-    if found is not None or not needed:
+        found = _split(plan, model, "plan=")
+    else:
+        found = _builtin(model, tp_mode)
+    if found is not None and found.policy is not None:
+        found.policy.check(model, tp_size, sp_size, tp_mode, sp_kind, pp_size)
+    elif found is not None and sp_size > 1:
+        _check_sequence(model, found.sp)
+    if found is not None or (tp_size == 1 and sp_size == 1):
         return found
     from colossal.tensor_parallel import module_names
 

@@ -208,7 +208,10 @@ class HybridParallelPlugin(Plugin):
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
             check_ep(model, self.ep_size, self.dp_size())
-        plan = model_plan(model, self.plan, self.tp_mode, needed=self.tp_size > 1 or self.sp_size > 1)
+        plan = model_plan(
+            model, self.plan, tp_size=self.tp_size, sp_size=self.sp_size, tp_mode=self.tp_mode,
+            sp_kind=self.sp_kind, pp_size=self.pp_size,
+        )  # fmt: skip
         mesh = self._build_mesh()
         names = param_names(model)
         model = materialize_(model, self.device)

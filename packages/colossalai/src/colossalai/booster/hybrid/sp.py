@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from colossalai.booster.hybrid.plans import ModelPlan
-from colossalai.booster.hybrid.wrappers import GatherLogits, SequenceParallel, sequence_after_tensor
+from colossalai.booster.hybrid.wrappers import SequenceParallel, sequence_after_tensor
 
 __all__ = ["apply_sp"]
 
@@ -22,8 +22,7 @@ def apply_sp(model: nn.Module, inner: nn.Module, mesh, kind: str, dense_shapes: 
 
     sp = mesh.group("sp")
     if plan.policy is not None:
-        plan.policy.apply_sequence(model, sp, kind)
-        return inner if isinstance(inner, GatherLogits) else GatherLogits(inner, None)
+        return plan.policy.apply_sequence(model, inner, sp, kind)
     if not plan.sp:
         raise ValueError(f"sequence parallelism needs ATTENTION entries in the plan ({plan.source}); got none")
     if inner is model:

@@ -1,0 +1,223 @@
+"""Policies for Hugging Face ``transformers`` families: 1D tensor parallelism (the rules are data in
+``colossal.tensor_parallel.HF_TP_RULES``, GPT-2's ``Conv1D`` layers are converted here) and
+sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
+
+[Note: what every Hugging Face policy does]
+* **Tensor parallel (1D)**: q/k/v and the MLP's input projections column-parallel, the attention
+  output and the MLP's output projection row-parallel; the heads of each rank are a contiguous
+  block (q, k and v of the same heads), so the attention core runs unchanged on ``h/tp`` heads
+  (Hugging Face attention modules infer the head count from the projection width). Embeddings,
+  norms, poolers and task heads stay replicated, so tied input/output embeddings stay tied and the
+  model's output is not split. Only ``tp_mode="1d"``.
+* **Sequence parallel**: the model keeps its inputs and outputs; the ``(B, T, C)`` sequence is
+  split after the embeddings (padded to a multiple of ``sp_size``, the padding masked out) and
+  gathered after the last norm; the attention core becomes ring or all-to-all attention that
+  keeps the module's ``is_causal`` and the user's ``attention_mask`` (key padding).
+* **Pipeline parallel**: not available for these families yet (``NotImplementedError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["HFPolicy", "GPT2Policy", "HF_POLICIES", "hf_policy"]
+
+
+def _config(model: nn.Module):
+    return getattr(model, "config", None)
+
+
+@dataclass(kw_only=True, slots=True)
+class HFPolicy:
+    """How one ``transformers`` family is split (see ``[Note: what every Hugging Face policy does]``)."""
+
+    model_type: str
+    """``config.model_type`` this policy serves."""
+    attention: str
+    """Regex over the end of module names: the modules that call the attention function."""
+    split_after: str
+    """Regex: the module whose output is the ``(B, T, C)`` sequence entering the layers (split there)."""
+    gather_after: str
+    """Regex: the module whose output is gathered back to the whole sequence."""
+    rotary: str | None = None
+    """Regex: a rotary embedding whose ``position_ids`` must become global positions."""
+    permutes: bool = False
+    """The tensor-parallel layout is not one contiguous split per parameter (checkpoints use index maps)."""
+    mlp_width: str = "intermediate_size"
+    """The config attribute holding the MLP's hidden width (divided by ``tp_size``)."""
+
+    def check(self, model: nn.Module, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int) -> None:
+        """Raise (``ValueError`` with the values, ``NotImplementedError`` with what is supported)
+        before anything is built, identically on every rank."""
+        if pp_size > 1:
+            raise NotImplementedError(f"{self.model_type}: pipeline parallelism (pp_size={pp_size}) is not available")
+        if tp_size > 1 and tp_mode != "1d":
+            raise NotImplementedError(f"{self.model_type}: tp_mode {tp_mode!r}; supported: '1d'")
+        cfg = _config(model)
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        width = getattr(cfg, self.mlp_width, None) or 4 * cfg.hidden_size
+        for value, by, what in (
+            (heads, tp_size, "num_attention_heads"),
+            (kv, tp_size, "num_key_value_heads"),
+            (width, tp_size, self.mlp_width),
+        ):
+            if value % by:
+                raise ValueError(f"{self.model_type}: {what}={value} must be divisible by tp_size={tp_size}")
+        if sp_size > 1 and sp_kind == "all_to_all" and (heads // tp_size) % sp_size:
+            raise ValueError(
+                f"{self.model_type}: all_to_all attention needs the heads per tp rank ({heads} / {tp_size}) "
+                f"divisible by sp_size={sp_size}"
+            )
+        if sp_size > 1:
+            from colossalai.policies.hf_sequence import check_sequence
+
+            check_sequence(self, model)
+
+    def plan(self, model: nn.Module) -> dict:
+        """The ``Style`` plan of ``model`` (``colossal.tensor_parallel.hf_plan``)."""
+        from colossal.tensor_parallel import hf_plan
+
+        return hf_plan(model, self.model_type)
+
+    def convert_tp(self, model: nn.Module, group, mode: str) -> None:
+        """Modules the ``Style`` plan cannot express (none for this family)."""
+
+    def apply_sequence(self, model: nn.Module, inner: nn.Module, group, kind: str) -> nn.Module:
+        """Make ``model`` sequence parallel over ``group`` in place; returns the module to run."""
+        from colossalai.policies.hf_sequence import apply_hf_sequence
+
+        apply_hf_sequence(self, model, group, kind)
+        return inner
+
+
+def _conv1d_as_linear(conv: nn.Module, rows: torch.Tensor | None = None) -> nn.Linear:
+    """A ``transformers`` ``Conv1D`` (``weight (in, out)``) as an ``nn.Linear`` (``weight (out, in)``),
+    its output features reordered by ``rows`` when given."""
+    w = conv.weight.detach().t()  # (out, in)
+    linear = nn.utils.skip_init(
+        nn.Linear, w.shape[1], w.shape[0], bias=conv.bias is not None, device=w.device, dtype=w.dtype
+    )
+    with torch.no_grad():
+        linear.weight.copy_(w if rows is None else w[rows])
+        if conv.bias is not None:
+            linear.bias.copy_(conv.bias if rows is None else conv.bias[rows])
+    return linear
+
+
+def _per_head_rows(width: int, parts: int, shards: int) -> torch.Tensor:
+    """Output rows of a fused ``[q | k | v]`` projection (each ``width`` wide) reordered so that a
+    contiguous split in ``shards`` gives shard ``r`` its ``q``, ``k`` and ``v`` of the same heads."""
+    c = width // shards
+    return torch.cat(
+        [torch.arange(p * width + r * c, p * width + (r + 1) * c) for r in range(shards) for p in range(parts)]
+    )
+
+
+class GPT2Policy(HFPolicy):
+    """GPT-2: ``Conv1D`` layers (transposed weights), a fused ``c_attn`` q/k/v projection, learned
+    positions (``wpe``), input and output embeddings tied.
+
+    Tensor parallel: ``c_attn`` column-parallel *per head* (rank ``r`` holds q, k and v of heads
+    ``r*h/tp ..``, not a contiguous block of the fused rows), ``c_fc`` column-, both ``c_proj``
+    row-parallel; ``split_size`` and ``num_heads`` of each attention are divided by ``tp_size``;
+    ``wte``/``wpe``/``lm_head`` replicated (tied). Sequence parallel: split after ``drop`` (the
+    summed token and position embeddings), causal ring / all-to-all attention with the padding
+    mask, gathered after ``ln_f``."""
+
+    __slots__ = ()
+
+    def plan(self, model: nn.Module) -> dict:
+        """No ``Style`` entries: every split layer is a ``Conv1D`` (:meth:`convert_tp`)."""
+        return {}
+
+    def convert_tp(self, model: nn.Module, group, mode: str) -> None:
+        """Replace each block's ``Conv1D`` layers by ``colossal.tensor_parallel.Linear1D``."""
+        import re
+
+        import torch.distributed as dist
+
+        from colossal.tensor_parallel import Linear1D, replace_module
+
+        p = dist.get_world_size(group)
+        blocks = [(n, m) for n, m in model.named_modules() if re.search(r"(^|\.)h\.\d+$", n)]
+        built = []
+        for name, block in blocks:
+            c = block.attn.split_size
+            rows = _per_head_rows(c, 3, p)
+            built += [
+                (f"{name}.attn.c_attn", Linear1D.from_dense(_conv1d_as_linear(block.attn.c_attn, rows), group, "col")),
+                (f"{name}.attn.c_proj", Linear1D.from_dense(_conv1d_as_linear(block.attn.c_proj), group, "row")),
+                (f"{name}.mlp.c_fc", Linear1D.from_dense(_conv1d_as_linear(block.mlp.c_fc), group, "col")),
+                (f"{name}.mlp.c_proj", Linear1D.from_dense(_conv1d_as_linear(block.mlp.c_proj), group, "row")),
+            ]
+        for name, new in built:
+            replace_module(model, name, new)
+        for _, block in blocks:  # heads are read from the width; the fused split point is per rank
+            block.attn.split_size //= p
+            block.attn.num_heads //= p
+
+
+HF_POLICIES: dict[str, HFPolicy] = {
+    "gpt2": GPT2Policy(
+        model_type="gpt2",
+        attention=r"h\.\d+\.attn",
+        split_after=r"drop",
+        gather_after=r"ln_f",
+        permutes=True,
+        mlp_width="n_inner",
+    ),
+    "llama": HFPolicy(
+        model_type="llama",
+        attention=r"layers\.\d+\.self_attn",
+        split_after=r"embed_tokens",
+        gather_after=r"model\.norm|^norm",
+        rotary=r"rotary_emb",
+    ),
+    "mixtral": HFPolicy(
+        model_type="mixtral",
+        attention=r"layers\.\d+\.self_attn",
+        split_after=r"embed_tokens",
+        gather_after=r"model\.norm|^norm",
+        rotary=r"rotary_emb",
+    ),
+    "bert": HFPolicy(
+        model_type="bert",
+        attention=r"layer\.\d+\.attention\.self",
+        split_after=r"embeddings",
+        gather_after=r"encoder",
+    ),
+    "vit": HFPolicy(
+        model_type="vit",
+        attention=r"layers\.\d+\.attention",
+        split_after=r"embeddings",
+        gather_after=r"layernorm",
+    ),
+}
+"""``config.model_type`` -> policy. The docs page "Hugging Face models" tables what each does.
+
+* ``gpt2``: :class:`GPT2Policy`.
+* ``llama``: grouped-query attention (q heads and k/v heads both divided by ``tp_size``, so each
+  must be divisible by it; a rank keeps ``num_key_value_groups``), RoPE (sequence parallel: the
+  rotary embedding sees global positions), SwiGLU MLP (``gate_proj``/``up_proj`` column-,
+  ``down_proj`` row-parallel); ``embed_tokens``/``lm_head`` replicated (tied or not).
+* ``mixtral``: Llama attention split the same way; the sparse-MoE experts and router are
+  replicated on every tp rank (each computes every expert for its replicated activations), not
+  expert-parallel (colossal-moe's ``ep_size`` applies to ``colossal.moe.MoE`` layers, not to
+  Mixtral's fused expert tensors).
+* ``bert``: bidirectional attention (``query/key/value`` column-, ``attention.output.dense``
+  row-, ``intermediate.dense`` column-, ``output.dense`` row-parallel); sequence parallel splits
+  after ``embeddings`` and gathers after ``encoder``, keeping the padding mask.
+* ``vit``: bidirectional attention (``q/k/v_proj``, ``o_proj``, ``mlp.fc1``/``fc2``); sequence
+  parallel splits the patch+CLS sequence after ``embeddings`` (padded to a multiple of ``sp_size``,
+  the padding masked) and gathers after ``layernorm``.
+"""
+
+
+def hf_policy(model: nn.Module) -> HFPolicy | None:
+    """The policy of ``model`` by ``model.config.model_type`` (``None``: not a known family)."""
+    model_type = getattr(_config(model), "model_type", None)
+    return HF_POLICIES.get(model_type) if isinstance(model_type, str) else None

@@ -1,0 +1,80 @@
+"""Hugging Face ``transformers`` models (GPT-2, Llama, BERT, ViT; tiny random configs built
+locally) under every plugin: DDP, FSDP, ZeRO 1/2/3, Gemini, and the hybrid plugin's built-in
+policies (tp=2, sp=2 with padding masks, tp x dp and tp x sp on 4 ranks), each trained 3 steps with
+AdamW against the same model trained by plain PyTorch.
+
+Tolerance: fp32, 1e-5 relative per-step loss. Every plugin computes the same sums in another
+order (tensor-parallel partial products, ring attention chunks, gradient averages over ranks);
+measured differences are at most 2 ulp (~2.4e-7 absolute on losses near 4).
+
+One spawn per world size runs every (family, plugin) case in sequence and reports each case's
+losses or error, so one failure does not hide the others.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import FAMILIES, batches, build, loss  # noqa: E402
+from plan_harness import boosted_losses, dense_losses  # noqa: E402
+
+from colossal.comm.testing import run_distributed  # noqa: E402
+from colossalai import GeminiPlugin, HybridParallelPlugin, TorchDDPPlugin, TorchFSDPPlugin, ZeroPlugin  # noqa: E402
+
+PLUGINS = {
+    2: {
+        "ddp": TorchDDPPlugin,
+        "fsdp": TorchFSDPPlugin,
+        "zero1": lambda: ZeroPlugin(stage=1),
+        "zero2": lambda: ZeroPlugin(stage=2),
+        "zero3": lambda: ZeroPlugin(stage=3),
+        "gemini": GeminiPlugin,
+        "tp2": lambda: HybridParallelPlugin(tp_size=2),
+        "sp2-ring": lambda: HybridParallelPlugin(tp_size=1, sp_size=2),
+        "sp2-all_to_all": lambda: HybridParallelPlugin(tp_size=1, sp_size=2, sp_kind="all_to_all"),
+    },
+    4: {
+        "dp2xtp2": lambda: HybridParallelPlugin(tp_size=2),
+        "tp2xsp2": lambda: HybridParallelPlugin(tp_size=2, sp_size=2),
+    },
+}
+
+
+SKIP = {
+    # BertForMaskedLM ties cls.predictions.bias to cls.predictions.decoder.bias; Gemini raises
+    # IllegalTransitionError (COMPUTE -> COMPUTE) for a parameter two modules use in one forward.
+    ("bert", "gemini"),
+    # all-to-all attention is the same code for every family: run it on the two with masks that matter
+    ("gpt2", "sp2-all_to_all"),
+    ("vit", "sp2-all_to_all"),
+}
+
+
+def _all_cases(world: int) -> dict:
+    out = {}
+    for family in FAMILIES:
+        for name, make in PLUGINS[world].items():
+            if (family, name) in SKIP:
+                continue
+            try:
+                out[family, name] = boosted_losses(make(), lambda f=family: build(f), batches(family), loss)
+            except Exception as e:  # noqa: BLE001 (reported per case by the test)
+                out[family, name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_models_train_like_plain_pytorch_under_every_plugin(world):
+    refs = {f: torch.tensor(dense_losses(lambda f=f: build(f), batches(f), loss)) for f in FAMILIES}
+    failures = []
+    for rank, got in enumerate(run_distributed(_all_cases, world, world, timeout=300)):
+        for (family, name), losses in got.items():
+            if isinstance(losses, str):
+                failures.append(f"rank {rank} {family} {name}: {losses}")
+                continue
+            try:
+                torch.testing.assert_close(torch.tensor(losses), refs[family], rtol=1e-5, atol=0)
+            except AssertionError as e:
+                failures.append(f"rank {rank} {family} {name}: {losses} vs {refs[family].tolist()}: {e}")
+    assert not failures, "\n".join(failures)
