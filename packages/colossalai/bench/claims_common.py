@@ -26,7 +26,6 @@ import torch
 __all__ = [
     "peak_bytes",
     "fit_largest",
-    "fit_largest_quadratic",
     "timed_steps",
     "write_json",
     "rank_or_error",
@@ -48,25 +47,6 @@ def fit_largest(points: list[tuple[float, int]], cap: int) -> tuple[float, float
     b = (p2 - p1) / (s2 - s1)
     a = p1 - b * s1
     return a, b, (math.floor((cap - a) / b) if b > 0 else None)
-
-
-def fit_largest_quadratic(points: list[tuple[float, int]], cap: int) -> tuple[list[float], int | None]:
-    """``(coefficients, largest)`` of ``peak = c0 + c1 s + c2 s^2`` through three points (attention
-    scores grow with the square of the sequence length); largest integer ``s`` with peak <= cap."""
-    import numpy as np
-
-    sizes, peaks = zip(*points, strict=True)
-    c2, c1, c0 = np.polyfit(np.array(sizes, float), np.array(peaks, float), 2)
-    poly = lambda s: c0 + c1 * s + c2 * s * s  # noqa: E731
-    if poly(sizes[-1]) > cap:
-        return [c0, c1, c2], None
-    lo, hi = int(sizes[-1]), int(sizes[-1]) * 2
-    while poly(hi) <= cap and hi < 2**24:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if poly(mid) <= cap else (lo, mid)
-    return [c0, c1, c2], lo
 
 
 def timed_steps(step, batches, warmup: int = 1) -> float:
