@@ -269,6 +269,16 @@ def test_folder_tp2_user_plan_train_export_from_pretrained(tmp_path):
         assert r["read"] < 0.8 * _numel(src), (r["read"], _numel(src))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_folder_tp2_builtin_policy_train_export_from_pretrained(tmp_path, family):
+    """tp=2 with the built-in policy of the family (GPT-2's fused Conv1D projections are permuted
+    by its policy, so those ranks read the whole tensors and keep their blocks)."""
+    src = saved_folder(tmp_path, gpt2_config() if family == "gpt2" else llama_config())
+    want, _ = hf_logits(src, tokens())
+    for r in _round_trip(src, tmp_path / "out", "hybrid-tp2"):
+        torch.testing.assert_close(r["loaded"], want, rtol=1e-5, atol=1e-6)
+
+
 def _round_trip(src, out, spec):
     results = run_distributed(load_train_export, 2, spec, str(src), str(out), "", timeout=180)
     got, info = hf_logits(out, tokens())
