@@ -58,6 +58,13 @@ def _constraints(session: nox.Session) -> str:
     return str(path)
 
 
+def test_extras(dist: str) -> str:
+    """The extras a package's test session installs: ``test``, plus ``hf`` where the package has it
+    (its tests of Hugging Face models must run in CI, not be skipped)."""
+    optional = _project(dist).get("optional-dependencies", {})
+    return "test,hf" if "hf" in optional else "test"
+
+
 def install_packages(session: nox.Session, dists: list[str], extras: dict[str, str] | None = None) -> None:
     """Install torch (pinned) and the given local packages in one resolver run."""
     extras = extras or {}
@@ -71,7 +78,7 @@ def install_packages(session: nox.Session, dists: list[str], extras: dict[str, s
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in its own venv (package + declared siblings + test extra)."""
-    install_packages(session, sibling_closure(package, ("test",)) + [package], {package: "test"})
+    install_packages(session, sibling_closure(package, ("test",)) + [package], {package: test_extras(package)})
     session.env.setdefault("OMP_NUM_THREADS", "1")
     session.run(
         "python",
@@ -102,7 +109,7 @@ def flakes(session: nox.Session, package: str) -> None:
         i = args.index("--seeds")
         seeds = tuple(int(s) for s in args[i + 1].split(","))
         del args[i : i + 2]
-    install_packages(session, sibling_closure(package, ("test",)) + [package], {package: "test"})
+    install_packages(session, sibling_closure(package, ("test",)) + [package], {package: test_extras(package)})
     session.install("-c", _constraints(session), "pytest-randomly>=3.15")
     session.env.setdefault("OMP_NUM_THREADS", "1")
     for seed in seeds:

@@ -55,7 +55,9 @@ from colossalai.checkpoint import (
     save_safetensors_folder,
     save_sharded,
 )
+from colossalai.checkpoint.hf import load_pretrained, parse_shard_size, save_pretrained
 from colossalai.checkpoint.integrity import load_file_checked
+from colossalai.checkpoint.slices import aliases
 
 __all__ = ["Booster", "MoEAuxLoss", "RunState"]
 
@@ -307,6 +309,48 @@ class Booster:
             full = self.plugin.full_model_state_dict(model.module)
         if world_rank() == 0:
             save_safetensors_folder(full, folder, max_shard_bytes)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return pathlib.Path(folder)
+
+    # ---- Hugging Face folders ([Note: a safetensors folder as a flat-slice checkpoint]) ----------
+    def load_pretrained(self, model: BoostedModel, folder: str | os.PathLike, *, strict: bool = True):
+        """Load a Hugging Face ``save_pretrained`` folder (``model.safetensors``, or shards plus
+        ``model.safetensors.index.json``; read locally, never downloaded) into a boosted model,
+        under any plugin and world size: each rank reads only the slices it owns.
+
+        Build the model from its config (``AutoModelForCausalLM.from_config(config)``, on the meta
+        device for a large one), boost it, then load. Names match as in ``from_pretrained`` (tied
+        weights saved once, a base model's folder into a model with a head, the model's
+        ``_keys_to_ignore_on_load_*`` patterns); otherwise strict like :meth:`load_model`: one
+        :class:`~colossalai.checkpoint.CheckpointMismatchError` lists every missing, unexpected and
+        mis-shaped tensor before anything changes. Returns what a ``strict=False`` load skipped.
+        Collective: every rank calls it."""
+        self._arrive("load_pretrained")
+        return load_pretrained(folder, self.plugin, model.module, strict=strict)
+
+    def save_pretrained(
+        self, model: BoostedModel, folder: str | os.PathLike, *, config=None, max_shard_size: int | str = "5GB"
+    ) -> pathlib.Path:
+        """Write the boosted model as a folder that ``transformers``' ``from_pretrained`` loads
+        (``model.safetensors``, or shards of at most ``max_shard_size`` plus the index, and
+        ``config.json``). ``config``: what to write as ``config.json`` (default: the model's
+        ``config`` when it has one, as a ``transformers`` model does). Tied weights are written
+        once, under their first name, as ``transformers`` writes them. The model is gathered
+        (rank 0 writes). Collective: every rank calls it."""
+        parse_shard_size(max_shard_size)  # bad input raises on every rank, before the gather
+        self._arrive("save_pretrained")
+        user = self.plugin.unwrap(model.module)
+        config = config if config is not None else getattr(user, "config", None)
+        if config is not None and not hasattr(config, "save_pretrained"):
+            kind = type(config).__name__
+            raise TypeError(f"config must have save_pretrained (a transformers PretrainedConfig), got {kind}")
+        full = self.plugin.full_model_state_dict(model.module)
+        if world_rank() == 0:
+            save_pretrained(full, folder, max_shard_size=max_shard_size, config=config, tied=aliases(user))
+            generation = getattr(user, "generation_config", None)
+            if generation is not None and hasattr(generation, "save_pretrained"):
+                generation.save_pretrained(str(folder))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return pathlib.Path(folder)

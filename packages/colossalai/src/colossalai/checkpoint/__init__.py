@@ -1,10 +1,11 @@
 """Checkpoints: sharded (DCP, reshardable across plugins and world sizes), strict (every entry's
 shape and dtype checked), verified (checksums), crash-safe directories, whole-run state, and
-Hugging Face style safetensors export."""
+Hugging Face style safetensors export, and Hugging Face ``save_pretrained`` folders in and out."""
 
 from colossalai.checkpoint.atomic import LATEST, atomic_checkpoint_dir, read_latest, resolve_checkpoint
 from colossalai.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompatibleEntries
 from colossalai.checkpoint.guard import DEFAULT_ARRIVAL_TIMEOUT, arrival_checked, check_all_ranks_arrive
+from colossalai.checkpoint.hf import SafetensorsReader, load_pretrained, parse_shard_size, save_pretrained
 from colossalai.checkpoint.run_state import (
     RUN_FILE,
     capture_rng,
@@ -45,4 +46,8 @@ __all__ = [
     "load_sharded",
     "SliceReader",
     "GROUPS_KEY",
+    "SafetensorsReader",
+    "load_pretrained",
+    "save_pretrained",
+    "parse_shard_size",
 ]

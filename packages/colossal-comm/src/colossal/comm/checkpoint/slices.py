@@ -287,6 +287,8 @@ def _request(reader: SliceReader, prefix: str, value) -> tuple[list[str], tuple 
     local, start = _layout(value)
     if start is None:  # a non-contiguous block: read the whole tensor, keep the block
         box = tuple(slice(o, o + n) for o, n in zip(value.__create_chunk_list__()[0].offsets, local.shape, strict=True))
+        if hasattr(reader, "read_box"):  # a reader that reads blocks (a safetensors folder): just the block
+            return [], (local, None, None, box)
         return reader.overlapping(prefix, 0, value.numel()), (local, 0, value.numel(), box)
     return reader.overlapping(prefix, start, start + local.numel()), (local, start, start + local.numel(), None)
 
@@ -318,7 +320,9 @@ def fill_state(reader: SliceReader, model_sd: dict, optim_sd: dict | None, alias
             container[k] = value.copy_(saved) if isinstance(value, torch.Tensor) else saved.item()
             continue
         local, lo, hi, box = target
-        if local.numel():
+        if local.numel() and lo is None:
+            local.copy_(reader.read_box(prefix, box))
+        elif local.numel():
             values = reader.assemble(prefix, lo, hi, loaded)
             local.copy_(values.view(container[k].shape)[box] if box is not None else values.view(local.shape))
     if optim_sd is not None:
