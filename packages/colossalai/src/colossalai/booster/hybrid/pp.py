@@ -69,24 +69,11 @@ def _gpt_embed(m: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 def stage_fns(model: nn.Module, gather=None, sp_group=None):
     """``(embed, head)`` of the first and last stage: the GPT plan when the model has GPT's
-        ``wte``/``wpe``/``drop``/``ln_f``/``lm_head``, else ``colossal.pipeline``'s defaults (the children
-        before / after the blocks, in order). ``gather`` (tensor parallel) gathers the split logits;
-        with ``sp_group`` (sequence parallel) the first stage embeds this rank's ``T/sp`` tokens, so
-        every transfer between stages is ``(b, T/sp, C)``, and the last stage gathers the logits over
-        the sequence (``[Note: meta construction under pp]
-    A model built on the meta device (``with torch.device("meta"): GPT(cfg)``, ``build_gpt(...,
-    lazy=True)``) is never materialised whole: before any axis is applied, each rank allocates the
-    tensors of its own stages only (``colossal.pipeline.stage_tensor_names``, the split the pipeline
-    will make) and initialises them with the values a dense build from the same random state gives:
-    colossalai's models through their ``init_weights`` (a meta parameter is drawn into a scratch
-    tensor and dropped), any other model through ``reset_parameters()`` of every module in
-    ``modules()`` order, another stage's module on a throw-away copy (``[Note: same initial values
-    as a dense build]`` in ``colossal.pipeline.stages``). Dense build here means what the Booster does
-    for a meta model without pp (``materialize()``, or ``to_empty`` + ``reset_parameters``), seeded by
-    the global random state at ``boost`` time. Tensor parallelism then converts the stage's (dense)
-    modules, so a rank's peak is its stages' dense size plus one other module or parameter.
-
-    [Note: sequence x pipeline parallel]``)."""
+    ``wte``/``wpe``/``drop``/``ln_f``/``lm_head``, else ``colossal.pipeline``'s defaults (the children
+    before / after the blocks, in order). ``gather`` (tensor parallel) gathers the split logits;
+    with ``sp_group`` (sequence parallel) the first stage embeds this rank's ``T/sp`` tokens, so
+    every transfer between stages is ``(b, T/sp, C)``, and the last stage gathers the logits over
+    the sequence (``[Note: sequence x pipeline parallel]``)."""
     names = {n for n, _ in model.named_children()}
     if not {"wte", "wpe", "drop", "ln_f", "lm_head"} <= names:
         if gather is not None or sp_group is not None:
