@@ -41,6 +41,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "colos
 
 _SURVIVOR_GRACE_S = 5.0
 """After a rank dies, how long the harness waits for the survivors to raise before it kills them."""
+STARTUP_TIMEOUT_S = 120.0
+"""Seconds the ranks of a run may take to start (spawn, import torch) before :class:`RankTimeout`."""
 
 
 def preload(*modules: str) -> None:
@@ -94,6 +96,7 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, stack_path,
 
     with open(stack_path, "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        results.put((rank, "started", None))  # the deadline counts from here ([Note: the deadline])
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
         )
@@ -136,14 +139,18 @@ def _context(start_method: str):
     return ctx
 
 
-def _dump_stacks(procs: list, stack_paths: list[pathlib.Path]) -> str:
-    for p in procs:
-        if p.is_alive():
+def _dump_stacks(procs: list, stack_paths: list[pathlib.Path], started: set[int]) -> str:
+    for r, p in enumerate(procs):
+        if p.is_alive() and r in started:  # a rank still starting up has no SIGUSR1 handler yet
             os.kill(p.pid, signal.SIGUSR1)
     time.sleep(1.0)
-    return "".join(
-        f"\n--- stacks of rank {r} ---\n{path.read_text() or '(rank had exited)'}" for r, path in enumerate(stack_paths)
-    )
+
+    def stacks(r: int, path: pathlib.Path) -> str:
+        if r not in started:
+            return "(rank had not started: still importing or spawning)"
+        return path.read_text() or "(rank had exited)"
+
+    return "".join(f"\n--- stacks of rank {r} ---\n{stacks(r, path)}" for r, path in enumerate(stack_paths))
 
 
 def _kill_all(procs: list) -> None:
@@ -169,9 +176,10 @@ def run_distributed(
     initialised (ranks ``0..world_size-1``); return the list of their return values by rank.
 
     ``fn`` must be importable by name from a child process (a module-level function).
-    ``timeout`` (seconds) bounds the whole run; ``pg_timeout`` (seconds, default ``timeout``) is
-    the process group's own timeout (how long a collective waits for a peer that does not join);
-    ``threads`` is each rank's torch thread count.
+    ``timeout`` (seconds) bounds the run, with at least ``timeout / 2`` left once every rank has
+    started (spawned and imported torch; starting up is bounded by :data:`STARTUP_TIMEOUT_S`); ``pg_timeout``
+    (seconds, default ``timeout``) is the process group's own timeout (how long a collective waits
+    for a peer that does not join); ``threads`` is each rank's torch thread count.
 
     A rank that dies (exits without reporting) fails the run with :class:`RankFailure` naming it
     and its exit code, followed by what the surviving ranks raised in the next seconds.
@@ -201,25 +209,41 @@ def run_distributed(
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, world_size, time.monotonic() + timeout, stack_paths, timeout)
+            return _collect(procs, results, world_size, timeout, stack_paths)
         finally:
             _kill_all(procs)
 
 
-def _collect(procs, results, world_size, deadline, stack_paths, timeout) -> list[Any]:
+def _collect(procs, results, world_size, timeout, stack_paths) -> list[Any]:
+    # [Note: the deadline]
+    # ``timeout`` bounds the run from its launch, as before, but a loaded machine that takes long
+    # to spawn ranks (import torch, arm the stack dump) must not eat the whole budget of the
+    # function under test: once every rank has started, the run gets at least ``timeout / 2`` more
+    # (still before the process group's own ``pg_timeout``, which starts at the same moment, so a
+    # hung rank is reported with every rank's stacks rather than as a gloo timeout). Starting up
+    # has its own bound, STARTUP_TIMEOUT_S past the launch: a rank stuck importing cannot hang it.
     values: dict[int, Any] = {}
+    started: set[int] = set()
+    launch = time.monotonic()
+    deadline = launch + max(timeout, STARTUP_TIMEOUT_S)
     while len(values) < world_size:
         try:
             rank, status, payload = results.get(timeout=0.05)
         except queue.Empty:
             if time.monotonic() > deadline:
-                stacks = _dump_stacks(procs, stack_paths)
+                stacks = _dump_stacks(procs, stack_paths, started)
+                waited = "to start" if len(started) < world_size else "to finish"
                 raise RankTimeout(
                     f"ranks {sorted(set(range(world_size)) - set(values))} of {world_size} did not finish "
-                    f"within {timeout:.0f} s; every rank's stacks:{stacks}"
+                    f"within {timeout:.0f} s (waiting {waited}); every rank's stacks:{stacks}"
                 ) from None
             if _dead(procs, values, []):  # let the survivors report what they raised, then fail
                 _raise_if_dead(procs, values, _more_failures(results, grace=_SURVIVOR_GRACE_S, procs=procs))
+            continue
+        if status == "started":
+            started.add(rank)
+            if len(started) == world_size:  # every rank is up ([Note: the deadline])
+                deadline = max(launch + timeout, time.monotonic() + timeout / 2)
             continue
         if status == "ok":
             values[rank] = pickle.loads(payload)
