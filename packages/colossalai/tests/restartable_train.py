@@ -13,9 +13,11 @@ state (model, optimizer, scheduler, scaler, RNG, data position, the loss of ever
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pathlib
 import random
+import time
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,15 @@ def train(root: pathlib.Path, out: pathlib.Path, steps: int, save_every: int, cr
         "losses": losses,
     }
     torch.save(final, out / f"rank{rank}.pt")
+    # Teardown order matters: if DDP's reducer holds the last reference to the gloo process group
+    # after destroy_process_group(), its destructor runs under the GIL while gloo's worker thread,
+    # still freeing the last finished all-reduce, waits for the GIL: a deadlock inside torch (seen
+    # once in a random-order run). Drop the DDP model while the group is registered, give the
+    # worker threads a moment without the GIL, then destroy the group.
+    dist.barrier()
+    del final, model, optim, sched, loader, booster
+    gc.collect()
+    time.sleep(0.05)
     dist.destroy_process_group()
 
 
