@@ -14,7 +14,11 @@ FAILING = """
 import os, pathlib, sys, time
 rank = int(os.environ["RANK"])
 print(f"rank {rank} starts", flush=True)
-if rank == 1:
+pathlib.Path(f"started{rank}").touch()
+if rank == 1:  # fail only once rank 0 has printed, so both lines must reach the output
+    deadline = time.monotonic() + 120
+    while not pathlib.Path("started0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise ValueError(f"bad value 7 on rank {rank}")
 deadline = time.monotonic() + 120  # rank 0 fails after rank 1 (if torchrun has not stopped it yet)
 while not pathlib.Path(os.environ["COLOSSALAI_CLI_ERRORS"], "rank1.txt").exists() and time.monotonic() < deadline:
