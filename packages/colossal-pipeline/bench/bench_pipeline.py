@@ -201,7 +201,7 @@ def _rank(kind: str, args) -> dict:
             times[impl].append((wall, cpu, pipe.stats.bubble if pipe is not None else math.nan))
     # two profiled steps, the second measured: the profiler sees no free of a block allocated while
     # it was off (torch frees the previous step's last-stage outputs at the start of a step)
-    peak = {impl: [_step_memory(step, opt, *data[0]) for _ in range(2)][1][0] for impl, (step, opt, _) in runners.items()}
+    peak = {impl: [_step_memory(s, o, *data[0]) for _ in range(2)][1][0] for impl, (s, o, _) in runners.items()}
     return {"times": times, "peak_bytes": peak, "held_bytes": held, "params": n_params}
 
 
