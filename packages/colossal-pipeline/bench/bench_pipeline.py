@@ -6,10 +6,14 @@ implementations, whose steps alternate (torch first on even steps, ours first on
 both see the same load; one warm-up step each is excluded (torch's first step costs ~1.3x), then
 the median of ``--steps`` steps is reported. Prints per row: wall seconds per step (slowest rank)
 and CPU seconds per step (all ranks), each with its ratio to torch's schedule of the same kind;
-the peak bytes the allocator held during one step (activations, gradients, transfer buffers; max
-over ranks); cores used (CPU / wall); the measured bubble and the theoretical one,
-``(p - 1) / (m + p - 1)`` (divided by ``v`` for interleaved: ``((p-1)/v) / (m + (p-1)/v)``); and
-the machine's load average before the row.
+the peak bytes the allocator held during one step above its level at the step's start
+(activations, gradients, transfer buffers; max over ranks); the peak live bytes beyond the
+parameters, i.e. that plus what the implementation keeps allocated between steps (the net bytes
+its warm-up step left: torch keeps a receive buffer per micro-batch and, on the last stage, the
+outputs of the step; ours keeps nothing), max over ranks, with its ratio to torch; cores used
+(CPU / wall); the measured bubble and the theoretical one, ``(p - 1) / (m + p - 1)`` (divided by
+``v`` for interleaved: ``((p-1)/v) / (m + (p-1)/v)``); and the machine's load average before the
+row.
 
 Measured bubble: ``1 - CPU time / wall time`` per rank, averaged (the same for both
 implementations; a rank waiting on a receive sleeps). For ours it also prints the idle fraction
@@ -155,9 +159,11 @@ def _one_step(step, opt, idx, tgt) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _peak_step_bytes(step, opt, idx, tgt) -> int:
-    """Peak bytes the CPU allocator held above its starting level during one step (activations,
-    gradients, buffers in flight), from the profiler's memory events."""
+def _step_memory(step, opt, idx, tgt) -> tuple[int, int]:
+    """(peak, net) bytes of one step from the profiler's CPU memory events: the most the allocator
+    held above its level at the start of the step (activations, gradients, buffers in flight), and
+    what the step left allocated at its end (on the warm-up step: buffers an implementation keeps
+    between steps, such as torch's per-micro-batch receive buffers and last-stage outputs)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -168,7 +174,7 @@ def _peak_step_bytes(step, opt, idx, tgt) -> int:
     for e in events:
         level += e.nbytes()
         peak = max(peak, level)
-    return peak
+    return peak, level
 
 
 def _rank(kind: str, args) -> dict:
@@ -186,15 +192,17 @@ def _rank(kind: str, args) -> dict:
     b = args.microbatches * args.mb_size
     data = [(torch.randint(0, args.vocab, (b, args.seq), generator=g),) * 2 for _ in range(args.steps + 1)]
     times = {impl: [] for impl in runners}
-    for i, (idx, tgt) in enumerate(data):
+    held = {impl: _step_memory(step, opt, *data[0])[1] for impl, (step, opt, _) in runners.items()}  # warm-up
+    for i, (idx, tgt) in enumerate(data[1:]):
         order = ("torch", "ours") if i % 2 == 0 else ("ours", "torch")
         for impl in order:
             step, opt, pipe = runners[impl]
             wall, cpu = _one_step(step, opt, idx, tgt)
-            if i > 0:  # the first step is warm-up
-                times[impl].append((wall, cpu, pipe.stats.bubble if pipe is not None else math.nan))
-    peak = {impl: _peak_step_bytes(step, opt, *data[0]) for impl, (step, opt, _) in runners.items()}
-    return {"times": times, "peak_bytes": peak, "params": n_params}
+            times[impl].append((wall, cpu, pipe.stats.bubble if pipe is not None else math.nan))
+    # two profiled steps, the second measured: the profiler sees no free of a block allocated while
+    # it was off (torch frees the previous step's last-stage outputs at the start of a step)
+    peak = {impl: [_step_memory(s, o, *data[0]) for _ in range(2)][1][0] for impl, (s, o, _) in runners.items()}
+    return {"times": times, "peak_bytes": peak, "held_bytes": held, "params": n_params}
 
 
 def _theory(kind: str, m: int) -> float:
@@ -224,7 +232,8 @@ def main() -> None:
         f"{args.microbatches} micro-batches of {args.mb_size}; median of {args.steps} steps after one warm-up, "
         f"ours and torch alternating in the same processes"
     )
-    cols = ("wall s", 7), ("ratio", 6), ("cpu s", 7), ("ratio", 6), ("peak MiB", 8), ("cores", 6)
+    cols = ("wall s", 7), ("ratio", 6), ("cpu s", 7), ("ratio", 6), ("peak MiB", 8), ("live MiB", 8), ("ratio", 6)
+    cols += (("cores", 6),)
     cols += ("bubble", 7), ("spans", 6), ("theory", 7), ("load", 14)
     print(f"{'impl':6} {'schedule':15} " + " ".join(f"{c:>{w}}" for c, w in cols))
     for kind in FAMILIES:
@@ -240,19 +249,24 @@ def main() -> None:
             bubble = statistics.median(sum(1 - s[1] / s[0] for s in st) / P for st in steps)
             spans = statistics.median(sum(s[2] for s in st) / P for st in steps)
             peak = max(r["peak_bytes"][impl] for r in per_rank) / 2**20
+            live = max(r["peak_bytes"][impl] + r["held_bytes"][impl] for r in per_rank) / 2**20
             base.setdefault("wall", wall)
             base.setdefault("cpu", cpu)
+            base.setdefault("live", live)
             row = {
                 "impl": impl, "schedule": name, "wall_s_median": wall, "cpu_s_median": cpu,
                 "wall_ratio_to_torch": wall / base["wall"], "cpu_ratio_to_torch": cpu / base["cpu"],
-                "peak_step_mib_max": peak, "cores_used": cpu / wall, "bubble_cpu": bubble,
+                "peak_step_mib_max": peak, "peak_live_mib_max": live, "live_ratio_to_torch": live / base["live"],
+                "held_between_steps_mib": [r["held_bytes"][impl] / 2**20 for r in per_rank],
+                "cores_used": cpu / wall, "bubble_cpu": bubble,
                 "bubble_spans": spans, "bubble_theory": _theory(name, args.microbatches),
                 "load_before": load, "params": per_rank[0]["params"],
             }  # fmt: skip
             results.append(row)
             print(
                 f"{impl:6} {name:15} {wall:7.3f} {row['wall_ratio_to_torch']:6.2f} {cpu:7.3f} "
-                f"{row['cpu_ratio_to_torch']:6.2f} {peak:8.1f} {cpu / wall:6.2f} {bubble:7.3f} {spans:6.3f} "
+                f"{row['cpu_ratio_to_torch']:6.2f} {peak:8.1f} {live:8.1f} {row['live_ratio_to_torch']:6.2f} "
+                f"{cpu / wall:6.2f} {bubble:7.3f} {spans:6.3f} "
                 f"{row['bubble_theory']:7.3f} {load:>14}",
                 flush=True,
             )

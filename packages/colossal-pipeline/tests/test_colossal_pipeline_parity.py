@@ -9,6 +9,7 @@ from pp_testing import check_pipeline
 
 from colossal.comm.testing import run_distributed
 from colossal.pipeline import PipelineConfig
+from colossal.pipeline.p2p import send_release_points, split_steps
 
 # (schedule, v, m, tied, checkpointing, partition, sizes)
 CASES = [
@@ -30,6 +31,16 @@ def _theory(sched, p, m, v, r):
     return min(m, p - r)
 
 
+def _held_sends(pipe) -> int:
+    """Most sends the overlap mode holds at once when each is released where
+    ``send_release_points`` says (every send of the rank when nothing is released before the end)."""
+    plan, held, peak = send_release_points(pipe.schedule, pipe.rank), set(), 0
+    for j, (_, _, sends) in enumerate(split_steps(pipe.schedule.actions(pipe.rank))):
+        held = (held - set(plan[j])) | set(sends)
+        peak = max(peak, len(held))
+    return peak
+
+
 def _rank(cases, p2p="auto"):
     p, r = torch.distributed.get_world_size(), torch.distributed.get_rank()
     for sched, v, m, tied, ckpt, part, sizes in cases:
@@ -39,6 +50,8 @@ def _rank(cases, p2p="auto"):
         )  # fmt: skip
         pipe = check_pipeline(cfg, tied)
         assert pipe.stats.peak_inflight == _theory(sched, p, m, v, r), (cfg, pipe.stats)
+        if pipe.p2p_mode == "overlap":  # sent tensors freed as soon as the peer is known to have them
+            assert pipe.stats.peak_sends == _held_sends(pipe), (cfg, pipe.stats)
         real = {n for n, t in pipe.model.state_dict(keep_vars=True).items() if not t.is_meta}
         tie = {"wte.weight", "lm_head.weight"} if tied and real & {"wte.weight", "lm_head.weight"} else set()
         assert real == set(pipe.state_dict()) | tie, (cfg, real)  # nothing beyond this rank's chunks is real

@@ -15,7 +15,7 @@ from colossal.pipeline import (
     get_schedule,
     simulate,
 )
-from colossal.pipeline.p2p import exchange_groups
+from colossal.pipeline.p2p import exchange_groups, send_release_points, split_steps
 from colossal.pipeline.schedules import Action, Schedule
 from colossal.pipeline.simulate import _check_pair_order, grouping_for, simulate_groups
 
@@ -142,3 +142,64 @@ def test_grouped_p2p_check_catches_a_deadlock_and_a_mismatch():
     groups[1] = [[w if w.send else recvs[1 - recvs.index(w)] for w in g] for g in groups[1]]
     with pytest.raises(ScheduleError, match="which receives"):
         _check_pair_order(s, groups)
+
+
+def _message(a: Action) -> tuple[bool, int, int]:
+    """(backward, micro-batch, sending chunk) of a send or a receive."""
+    K = ActionKind
+    sender = {K.SEND_F: a.chunk, K.SEND_B: a.chunk, K.RECV_F: a.chunk - 1, K.RECV_B: a.chunk + 1}[a.kind]
+    return a.kind in (K.SEND_B, K.RECV_B), a.mb, sender
+
+
+def _vector_clocks(s: Schedule) -> dict[int, list[list[int]]]:
+    """Per rank and step, how many steps of every rank have had their receives waited before
+    this step's receives are (happens-before over the overlap mode: a rank waits its receives,
+    computes, then sends; a receive completes after its send). Vector clocks, Lamport-style."""
+    progs = {r: split_steps(s.actions(r)) for r in range(s.p)}
+    clocks: dict[int, list[list[int]]] = {r: [] for r in progs}
+    sent: dict[tuple, list[int]] = {}  # message -> clock of the step that sent it
+    while any(len(clocks[r]) < len(progs[r]) for r in progs):
+        moved = False
+        for r, prog in progs.items():
+            i = len(clocks[r])
+            if i == len(prog) or any(_message(a) not in sent for a in prog[i][0]):
+                continue
+            c = list(clocks[r][-1]) if i else [0] * s.p
+            for a in prog[i][0]:
+                c = [max(x, y) for x, y in zip(c, sent[_message(a)], strict=True)]
+            c[r] = i + 1
+            clocks[r].append(c)
+            sent.update((_message(a), c) for a in prog[i][2])
+            moved = True
+        assert moved, s  # the overlap mode never deadlocks
+    return clocks
+
+
+@pytest.mark.parametrize("cls", [GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1], ids=lambda c: c.name)
+def test_send_release_points_never_wait_on_the_peer(cls):
+    """[Note: releasing sends on gloo]: every send is released at most once, at a step after the
+    one issuing it, and only where the peer's wait for it happens-before (vector clocks, computed
+    here independently) this rank's receives of that step; an activation is released no later
+    than its own backward; on 1F1B at most ``p - r`` activations and one gradient stay held."""
+    for p, m, _v, s in _grid(cls):
+        clocks, progs = _vector_clocks(s), {r: split_steps(s.actions(r)) for r in range(p)}
+        for r, prog in progs.items():
+            issued = {a: i for i, (_, _, sends) in enumerate(prog) for a in sends}
+            recv_step = {q: {_message(a): i for i, (recvs, _, _) in enumerate(progs[q]) for a in recvs} for q in progs}
+            backward_at = {(c.mb, c.chunk): i for i, (_, c, _) in enumerate(prog) if c.kind != ActionKind.F}
+            released, held, peak, plan = set(), set(), 0, send_release_points(s, r)
+            for j, sends in enumerate(plan):
+                for a in sends:
+                    assert a not in released and issued[a] < j, (s, r, a, j)
+                    q = s.rank_of(a.chunk + (1 if a.kind == ActionKind.SEND_F else -1))
+                    assert clocks[r][j][q] > recv_step[q][_message(a)], (s, r, a, j)  # peer has it
+                    released.add(a)
+                held = (held - set(sends)) | set(prog[j][2])
+                peak = max(peak, len(held))
+            for a in issued:
+                if a.kind == ActionKind.SEND_F and a.chunk + 1 < s.n_chunks:
+                    assert a in released, (s, r, a)
+                    j = next(k for k, x in enumerate(plan) if a in x)
+                    assert j <= backward_at[(a.mb, a.chunk)], (s, r, a)
+            if cls is OneFOneB:
+                assert peak <= min(m, p - r) + 1, (s, r, peak)

@@ -25,6 +25,19 @@ yet goes as its header in that group and its data in a group of its own right af
 on every schedule, over a grid of ``(p, m, v)``, that each directed pair of ranks issues its sends
 and its receives in the same order and that the groups, run with NCCL's blocking semantics
 (:func:`colossal.pipeline.simulate.simulate_groups`), never deadlock.
+
+[Note: releasing sends on gloo]
+A sent tensor stays alive until its send is waited. Gloo's send reports itself completed only once
+``wait()`` was called (``is_completed()`` stays ``False`` after the peer has the data), and
+waiting a send whose receive the peer has not posted blocks on that peer. So the overlap mode
+waits each send at the first point where it is *known* to be done: after this rank has received a
+message that the peer sent only after it had received ours. The peer waits its receives before
+the compute that consumes them and issues its sends after, so in its program the receive of our
+message ``s`` at step ``i`` precedes every send of steps ``>= i``; the first of those to reach us,
+at our step ``j``, releases ``s`` once step ``j``'s receives are in. :func:`send_release_points`
+computes this from the schedule at setup. An activation is released right before its own
+backward (the output was held for it anyway); a gradient when the next activation from that
+peer comes in. Sends with no such message are waited at the end of the step.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ __all__ = [
     "Wire",
     "exchange_blocks",
     "exchange_groups",
+    "send_release_points",
     "split_steps",
     "wire_key",
 ]
@@ -144,6 +158,33 @@ def exchange_groups(schedule: Schedule, rank: int, headers: bool = False, paired
     return groups
 
 
+def _message(a: Action) -> tuple[int, int, int]:
+    """The message a transfer carries, the same on its two sides: ``(backward, mb, sending chunk)``."""
+    return wire_key(a)[1:]
+
+
+def send_release_points(schedule: Schedule, rank: int) -> list[list[Action]]:
+    """For each compute step of ``rank`` (:func:`split_steps` order), the sends that are known to
+    be complete once that step's receives have arrived (``[Note: releasing sends on gloo]``).
+    Sends in no list are completed at the end of the step."""
+    steps = {q: split_steps(schedule.actions(q)) for q in range(schedule.p)}
+    recv_at: dict[int, dict[tuple, int]] = {q: {} for q in steps}  # rank -> message -> step receiving it
+    sent_by: dict[int, list[tuple[int, int, tuple]]] = {q: [] for q in steps}  # rank -> (step, peer, message)
+    for q, prog in steps.items():
+        for i, (recvs, _, sends) in enumerate(prog):
+            recv_at[q].update((_message(a), i) for a in recvs)
+            sent_by[q] += [(i, _peer_of(schedule, a), _message(a)) for a in sends]
+    release: list[list[Action]] = [[] for _ in steps[rank]]
+    for _, _, sends in steps[rank]:
+        for a in sends:
+            q = _peer_of(schedule, a)
+            consumed = recv_at[q][_message(a)]  # the peer's step that waits for our message
+            later = [recv_at[rank][m] for i, peer, m in sent_by[q] if peer == rank and i >= consumed]
+            if later:
+                release[min(later)].append(a)
+    return release
+
+
 def _sorted_ops(entries: Iterable[tuple[tuple, cc.P2POp]]) -> list[cc.P2POp]:
     return [op for _, op in sorted(entries, key=lambda e: e[0])]
 
@@ -164,7 +205,7 @@ class StageLinks:
         self._out_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}  # chunk -> its output's shape, dtype
         self._told: set[int] = set()  # chunks whose output header was sent under this signature
         self._signature: object = None
-        self._sends: list = []
+        self._sends: dict[Action, list] = {}  # send -> its handles (header, data), until waited
 
     def set_signature(self, signature: object) -> bool:
         """Start a step; forget the shapes when ``signature`` changed. Returns whether they are known."""
@@ -227,27 +268,26 @@ class StageLinks:
         return pending.buf
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
-        """Issue the send of ``a`` (asynchronous; completed by :meth:`wait_sends`)."""
+        """Issue the send of ``a`` (asynchronous; completed by :meth:`release` or :meth:`wait_sends`)."""
         peer, tensor = self._peer(a), tensor.contiguous()
+        handles = self._sends.setdefault(a, [])
         if a.kind == ActionKind.SEND_F and a.chunk not in self._told:
             header = self._header(a, tensor)
-            self._sends.append(
-                cc.batch_p2p([cc.P2POp("send", header, peer, self.group)], async_op=True, tag=HEADER_TAG)
-            )
+            handles.append(cc.batch_p2p([cc.P2POp("send", header, peer, self.group)], async_op=True, tag=HEADER_TAG))
             self._told.add(a.chunk)
-        self._reap()
-        self._sends.append(cc.batch_p2p([cc.P2POp("send", tensor, peer, self.group)], async_op=True, tag=P2P_TAG))
+        handles.append(cc.batch_p2p([cc.P2POp("send", tensor, peer, self.group)], async_op=True, tag=P2P_TAG))
 
-    def _reap(self) -> None:
-        """Finish the sends already completed, releasing their tensors (a sent activation or
-        gradient is otherwise held until the end of the step)."""
-        pending = []
-        for h in self._sends:
-            if h.is_completed():
+    def release(self, sends: Iterable[Action]) -> None:
+        """Complete the sends ``sends``, which the peer is known to have received (from
+        :func:`send_release_points`, so this does not block on the peer), freeing their tensors."""
+        for a in sends:
+            for h in self._sends.pop(a, ()):
                 h.wait()
-            else:
-                pending.append(h)
-        self._sends = pending
+
+    @property
+    def in_flight(self) -> int:
+        """Sends issued and not completed yet (their tensors are held)."""
+        return len(self._sends)
 
     def exchange(self, sends: list[tuple[Action, torch.Tensor]], recvs: list[Action]) -> dict[Action, torch.Tensor]:
         """Grouped mode: the ``(send, tensor)`` pairs and the receives ``recvs`` as one ``batch_p2p``
@@ -280,7 +320,5 @@ class StageLinks:
         return bufs
 
     def wait_sends(self) -> None:
-        """Complete every send issued since the last call."""
-        for h in self._sends:
-            h.wait()
-        self._sends.clear()
+        """Complete every send not completed yet."""
+        self.release(list(self._sends))

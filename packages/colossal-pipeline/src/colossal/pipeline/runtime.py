@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from colossal import comm as cc
-from colossal.pipeline.p2p import StageLinks, exchange_blocks
+from colossal.pipeline.p2p import StageLinks, exchange_blocks, send_release_points
 from colossal.pipeline.schedules import Action, ActionKind, Schedule, get_schedule
 from colossal.pipeline.simulate import grouping_for
 from colossal.pipeline.stages import (
@@ -106,6 +106,8 @@ class StepStats:
     """Seconds spent in forward/backward compute (the rest is waiting or communication)."""
     peak_inflight: int = 0
     """Most (micro-batch, chunk) activations held at once."""
+    peak_sends: int = 0
+    """Most sends issued and not completed at once (their tensors are held; ``"overlap"`` mode)."""
 
     @property
     def bubble(self) -> float:
@@ -197,6 +199,8 @@ class PipelineParallel:
         if self.p2p_mode == "grouped":  # verified deadlock-free and order-consistent before any transfer
             paired = grouping_for(self.schedule)
             self._blocks = exchange_blocks([st.compute.kind for st in self._steps], paired)
+        else:  # per step, the sends known received by then ([Note: releasing sends on gloo] in p2p)
+            self._release = send_release_points(self.schedule, self.rank)
         # --- nothing above communicates; every configuration error has been raised on every rank ---
         self.device = torch.device(device) if device is not None else cc.default_device()
         owned = {n for c in self.chunks for n in c.param_names}
@@ -319,11 +323,14 @@ class PipelineParallel:
             self._run_overlapped(run, warm)
         self._reduce_tied_grads(saved)
         loss = self._broadcast_loss(run.losses)
-        self.stats = StepStats(wall_s=time.perf_counter() - t0, compute_s=run.compute_s, peak_inflight=run.peak)
+        self.stats = StepStats(
+            wall_s=time.perf_counter() - t0, compute_s=run.compute_s, peak_inflight=run.peak, peak_sends=run.peak_sends
+        )
         return loss
 
     def _run_overlapped(self, run: _Run, warm: bool) -> None:
-        """Every transfer on its own; receives posted one compute ahead, sends completed at the end."""
+        """Every transfer on its own; receives posted one compute ahead, each send completed as
+        soon as the peer is known to have it (``[Note: releasing sends on gloo]``), the rest at the end."""
         posted: dict[Action, object] = {}
         for i, st in enumerate(self._steps):
             for a in st.recvs:  # posted in program order, so messages match on every channel
@@ -335,9 +342,12 @@ class PipelineParallel:
                         posted[a] = self.links.post_recv(a)
             for a in st.recvs:
                 run.inbox[(a.kind, a.mb, a.chunk)] = self.links.wait(posted.pop(a))
+            self.links.release(self._release[i])  # received by the peer: free before this compute
             run.timed(st.compute)
             for a in st.sends:
                 self.links.send(a, run.out)
+            run.out = None  # the links hold it until the send is released
+            run.peak_sends = max(run.peak_sends, self.links.in_flight)
         self.links.wait_sends()
 
     def _run_grouped(self, run: _Run) -> None:
@@ -397,7 +407,7 @@ class _Run:
         self.inbox: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
         self.held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, chunk) -> (input, output)
         self.losses: list[torch.Tensor] = []
-        self.compute_s, self.peak = 0.0, 0
+        self.compute_s, self.peak, self.peak_sends = 0.0, 0, 0
         self.out: torch.Tensor | None = None  # what the last compute's sends carry
 
     def timed(self, a: Action) -> None:
