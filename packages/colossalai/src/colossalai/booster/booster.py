@@ -175,7 +175,9 @@ class Booster:
         :meth:`backward`, or, with a pipeline-parallel plugin (``pp_size > 1``), all micro-batches
         through the pipeline schedule. Returns the (detached) loss; the caller then clips and
         steps as usual. Works with every plugin, so one training loop serves all of them.
-        The loss includes the MoE auxiliary losses (``[Note: MoE auxiliary losses]``)."""
+        The loss includes the MoE auxiliary losses (``[Note: MoE auxiliary losses]``). Under
+        pipeline parallelism a Hugging Face causal LM takes ``x`` as a dict of ``input_ids`` with
+        ``attention_mask`` / ``position_ids`` and ``criterion(logits, labels)``."""
         x, y = batch
         if self._moe_model is not None and not isinstance(criterion, MoEAuxLoss):
             criterion = MoEAuxLoss(criterion, self._moe_model)
