@@ -1,10 +1,11 @@
-"""Hugging Face causal LMs (GPT-2 with its tied ``wte``/``lm_head``, Llama with grouped-query
-attention and RoPE; tiny random configs built locally) under ``HybridParallelPlugin(pp_size=2)``:
-pp=2 on 2 ranks and pp2 x tp2 on 4 ranks train 3 steps through ``booster.execute_pipeline`` with
-right-padded rows and their ``attention_mask``, against the unwrapped model trained by plain
-PyTorch on its own ``loss`` (``model(**batch).loss``). A ``save_pretrained`` folder loaded under
-pp=2, trained and exported loads strictly with ``transformers``' ``from_pretrained`` and gives the
-logits of the same training in plain PyTorch. Bad configurations raise before any collective.
+"""Hugging Face models (GPT-2 with its tied ``wte``/``lm_head``, Llama with grouped-query
+attention and RoPE; BERT masked LM and ViT classifier on pp=2 only; tiny random configs built
+locally) under ``HybridParallelPlugin(pp_size=2)``: pp=2 on 2 ranks and pp2 x tp2 on 4 ranks train
+3 steps through ``booster.execute_pipeline`` with right-padded rows and their ``attention_mask``,
+against the unwrapped model trained by plain PyTorch on its own ``loss`` (``model(**batch).loss``).
+A ``save_pretrained`` folder (GPT-2, Llama) loaded under pp=2, trained and exported loads strictly
+with ``transformers``' ``from_pretrained`` and gives the logits of the same training in plain
+PyTorch. Bad configurations raise before any collective (at boost) or any transfer (per step).
 
 Tolerance: fp32, 1e-5 relative on every step's loss and every final parameter, 1e-7 absolute for
 elements near zero (the exported logits: 1e-6 absolute, logits are O(1)): the pipeline accumulates
@@ -38,6 +39,8 @@ CASES = {
     2: {
         ("gpt2", "pp2"): dict(tp_size=1, **PP),
         ("llama", "pp2-gpipe-m4"): dict(tp_size=1, pp_size=2, num_microbatches=4, pp_schedule="gpipe"),
+        ("bert", "pp2"): dict(tp_size=1, **PP),
+        ("vit", "pp2"): dict(tp_size=1, **PP),
     },
     4: {
         ("gpt2", "pp2xtp2"): dict(tp_size=2, **PP),
@@ -56,7 +59,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def _x(batch: dict) -> dict:
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """BERT's masked LM loss (``-100`` ignored, mean)."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+CRITERIA = {"gpt2": causal_lm_loss, "llama": causal_lm_loss, "bert": masked_lm_loss, "vit": F.cross_entropy}
+
+
+def _x(batch: dict):
+    if "pixel_values" in batch:
+        return batch["pixel_values"]
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
@@ -87,7 +100,8 @@ def _pipeline(kwargs: dict, family: str, folder=None):
         booster.load_pretrained(model, folder)
     losses = []
     for batch in batches(family):
-        losses.append(booster.execute_pipeline((_x(batch), batch["labels"]), model, causal_lm_loss, optim).item())
+        step = booster.execute_pipeline((_x(batch), batch["labels"]), model, CRITERIA[family], optim)
+        losses.append(step.item())
         optim.step()
         optim.zero_grad()
     return booster, model, losses
@@ -106,7 +120,7 @@ def _errors() -> dict:
     out = {}
     for name, family, kw in (
         ("layers", "gpt2", dict(tp_size=1, pp_size=2)),  # 3 layers on 2 stages
-        ("bert", "bert", dict(tp_size=1, pp_size=2)),
+        ("mixtral", "mixtral", dict(tp_size=1, pp_size=2)),
         ("sp", "llama", dict(tp_size=1, sp_size=2, pp_size=2)),
     ):
         torch.manual_seed(0)
@@ -118,6 +132,20 @@ def _errors() -> dict:
             Booster(plugin=HybridParallelPlugin(**kw)).boost(model, torch.optim.AdamW(model.parameters()))
             out[name] = "no error"
         except (ValueError, NotImplementedError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    torch.manual_seed(0)
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=1, **PP))
+    model = build("gpt2")
+    model, optim, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = batches("gpt2")[0]
+    for name, x in (
+        ("key", {**_x(batch), "token_type_ids": batch["input_ids"]}),
+        ("shape", {**_x(batch), "attention_mask": batch["attention_mask"][:, :4]}),
+    ):
+        try:
+            booster.execute_pipeline((x, batch["labels"]), model, causal_lm_loss, optim)
+            out[name] = "no error"
+        except ValueError as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
 
@@ -202,8 +230,10 @@ def _check_round_trips(rank: int, got: dict, root: pathlib.Path, failures: list)
 def _check_errors(rank: int, errors: dict, failures: list) -> None:
     expect = {
         "layers": "ValueError: gpt2: 3 layers (transformer.h) must be divisible by pp_size=2",
-        "bert": "NotImplementedError: bert: pipeline parallelism (pp_size=2) is not available",
+        "mixtral": "NotImplementedError: mixtral: pipeline parallelism (pp_size=2) is not available",
         "sp": "NotImplementedError: llama: pipeline x sequence parallelism",
+        "key": "ValueError: pipeline inputs ['token_type_ids'] are not supported",
+        "shape": "ValueError: ['attention_mask'] must have the shape of input_ids (8, 8)",
     }
     for name, start in expect.items():
         if not errors[name].startswith(start):

@@ -13,12 +13,12 @@ sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
   split after the embeddings (padded to a multiple of ``sp_size``, the padding masked out) and
   gathered after the last norm; the attention core becomes ring or all-to-all attention that
   keeps the module's ``is_causal`` and the user's ``attention_mask`` (key padding).
-* **Pipeline parallel** (GPT-2 and Llama causal LMs, ``GPT2LMHeadModel``/``LlamaForCausalLM``):
-  the block sequence named by ``pp_blocks`` is split into stages, embeddings on the first, final
-  norm and LM head on the last; each stage runs the model's own forward cut at block boundaries,
-  with the user's ``attention_mask`` and ``position_ids`` (:mod:`.hf_pipeline`). Composes with 1D
-  tensor parallelism and data parallelism; not with sequence parallelism. BERT, ViT and Mixtral
-  raise ``NotImplementedError``.
+* **Pipeline parallel** (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``BertForMaskedLM``,
+  ``ViTForImageClassification``): the block sequence named by ``pp_blocks`` is split into stages,
+  embeddings on the first, final norm and head (``pp_head``) on the last; each stage runs the
+  model's own forward cut at block boundaries, with the user's ``attention_mask`` and position ids
+  (:mod:`.hf_pipeline`). Composes with 1D tensor parallelism and data parallelism; not with
+  sequence parallelism. Mixtral and other heads of these families raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ class HFPolicy:
             check_sequence(self, model)
 
     def _check_pipeline(self, model: nn.Module, pp_size: int, sp_size: int) -> None:
-        supported = sorted(t for t, p in HF_POLICIES.items() if p.pp_blocks is not None)
+        supported = [f"{t} ({p.pp_blocks} + {p.pp_head})" for t, p in HF_POLICIES.items() if p.pp_blocks is not None]
         if self.pp_blocks is None:
             raise NotImplementedError(
                 f"{self.model_type}: pipeline parallelism (pp_size={pp_size}) is not available for this family; "
-                f"supported Hugging Face families: {', '.join(supported)} (causal LMs)"
+                f"supported Hugging Face families: {', '.join(supported)}"
             )
         if sp_size > 1:
             raise NotImplementedError(
@@ -104,7 +104,7 @@ class HFPolicy:
             model.get_submodule(self.pp_head)
         except AttributeError:
             raise NotImplementedError(
-                f"{self.model_type}: pipeline parallelism covers the causal LM ({self.pp_blocks} and {self.pp_head}); "
+                f"{self.model_type}: pipeline parallelism covers the model with {self.pp_blocks} and {self.pp_head}; "
                 f"{type(model).__name__} has {sorted(n for n, _ in model.named_children())}"
             ) from None
         n = len(blocks) if isinstance(blocks, nn.ModuleList) else 0
@@ -112,6 +112,14 @@ class HFPolicy:
             raise ValueError(
                 f"{self.model_type}: {n} layers ({self.pp_blocks}) must be divisible by pp_size={pp_size} "
                 "(one equal share of the layers per stage)"
+            )
+        if getattr(_config(model), "is_decoder", False) and self.model_type == "bert":
+            raise NotImplementedError("bert: pipeline parallelism of a decoder (config.is_decoder); supported: encoder")
+        base = model.get_submodule(self.pp_blocks.split(".")[0])
+        if isinstance(getattr(base, "pooler", None), nn.Module):  # the stages' head does not run a pooler
+            raise NotImplementedError(
+                f"{self.model_type}: pipeline parallelism of {type(model).__name__} (a pooler head); supported: "
+                "GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM, ViTForImageClassification"
             )
 
     def stage_fns(self, model: nn.Module, device: torch.device):
@@ -234,12 +242,16 @@ HF_POLICIES: dict[str, HFPolicy] = {
         attention=r"layer\.\d+\.attention\.self",
         split_after=r"embeddings",
         gather_after=r"encoder",
+        pp_blocks="bert.encoder.layer",
+        pp_head="cls",
     ),
     "vit": HFPolicy(
         model_type="vit",
         attention=r"layers\.\d+\.attention",
         split_after=r"embeddings",
         gather_after=r"layernorm",
+        pp_blocks="vit.layers",
+        pp_head="classifier",
     ),
 }
 """``config.model_type`` -> policy. The docs page "Hugging Face models" tables what each does.
@@ -257,10 +269,12 @@ HF_POLICIES: dict[str, HFPolicy] = {
   Mixtral's fused expert tensors).
 * ``bert``: bidirectional attention (``query/key/value`` column-, ``attention.output.dense``
   row-, ``intermediate.dense`` column-, ``output.dense`` row-parallel); sequence parallel splits
-  after ``embeddings`` and gathers after ``encoder``, keeping the padding mask.
+  after ``embeddings`` and gathers after ``encoder``, keeping the padding mask. Pipeline:
+  ``bert.encoder.layer`` split into stages (``BertForMaskedLM``, tied word embeddings / decoder).
 * ``vit``: bidirectional attention (``q/k/v_proj``, ``o_proj``, ``mlp.fc1``/``fc2``); sequence
   parallel splits the patch+CLS sequence after ``embeddings`` (padded to a multiple of ``sp_size``,
-  the padding masked) and gathers after ``layernorm``.
+  the padding masked) and gathers after ``layernorm``. Pipeline: ``vit.layers`` split into stages
+  (``ViTForImageClassification``, the classifier on the CLS token).
 """
 
 

@@ -1,23 +1,27 @@
-"""Pipeline stages of Hugging Face causal language models (GPT-2, Llama): what each stage of
-``colossal.pipeline`` runs in place of the model's own ``forward``.
+"""Pipeline stages of Hugging Face models (GPT-2 and Llama causal LMs, BERT masked LM, ViT image
+classifier): what each stage of ``colossal.pipeline`` runs in place of the model's own ``forward``.
 
 [Note: a Hugging Face model cut into pipeline stages]
 The split itself is data for ``colossal.pipeline``: the policy names the block sequence
-(``HFPolicy.pp_blocks``: ``transformer.h``, ``model.layers``); the embeddings registered before it
-go to the first stage, the final norm and the LM head after it to the last. What a stage *runs* is
-the model's own forward, cut at the block boundaries:
+(``HFPolicy.pp_blocks``: ``transformer.h``, ``model.layers``, ``bert.encoder.layer``,
+``vit.layers``); the embeddings registered before it go to the first stage, the final norm and the
+head after it to the last. What a stage *runs* is the model's own forward, cut at the block
+boundaries:
 
-* **first stage** (``embed``): GPT-2 ``drop(wte(ids) + wpe(positions))``; Llama ``embed_tokens(ids)``.
-* **every block** (``block_call``): the decoder layer with the arguments the model's forward gives
-  it: the 4-D attention mask that ``transformers.masking_utils.create_causal_mask`` builds from the
-  user's ``attention_mask`` (causal plus key padding, for the model's attention implementation),
-  the ``position_ids``, ``use_cache=False`` and no cache; Llama also gets the rotary
-  ``(cos, sin)`` of those positions. Mask and angles are built once per micro-batch on each rank
-  (kept in the micro-batch's extras dict, ``[Note: per-micro-batch extras]`` in
-  ``colossal.pipeline.stages``), since every rank is handed the whole batch.
-* **last stage** (``head``): final norm, then ``lm_head``: the logits ``(b, T, V)`` the user's
-  criterion sees (``labels`` are the pipeline's targets; the shift of causal LM loss is the
-  criterion's, as in ``model.loss_function``).
+* **first stage** (``embed``): GPT-2 ``drop(wte(ids) + wpe(positions))``; Llama
+  ``embed_tokens(ids)``; BERT ``bert.embeddings(ids, position_ids, token_type_ids)``; ViT
+  ``vit.embeddings(pixel_values)``.
+* **every block** (``block_call``): the layer with the arguments the model's forward gives it: the
+  4-D attention mask that ``transformers.masking_utils`` builds from the user's ``attention_mask``
+  (``create_causal_mask``: causal plus key padding; ``create_bidirectional_mask`` for BERT and
+  ViT; each for the model's attention implementation), for the decoders the ``position_ids``,
+  ``use_cache=False`` and no cache; Llama also gets the rotary ``(cos, sin)`` of those positions.
+  Mask and angles are built once per micro-batch on each rank (kept in the micro-batch's extras
+  dict, ``[Note: per-micro-batch extras]`` in ``colossal.pipeline.stages``), since every rank is
+  handed the whole batch.
+* **last stage** (``head``): final norm, then the head: the logits the user's criterion sees
+  (``(b, T, V)`` for the language models, ``(b, labels)`` for ViT; ``labels`` are the pipeline's
+  targets; the shift of the causal LM loss is the criterion's, as in ``model.loss_function``).
 
 Only the hidden state ``(b, T, C)`` crosses stages. Llama's rotary embedding is registered after
 the norm, so the pipeline would leave its ``inv_freq`` buffer (not a checkpoint entry) real on the
@@ -36,10 +40,16 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["PIPELINE_EXTRAS", "hf_stage_fns"]
+__all__ = ["PIPELINE_INPUTS", "hf_stage_fns"]
 
-PIPELINE_EXTRAS = ("attention_mask", "position_ids")
-"""Keys a Hugging Face pipeline batch may hold besides ``input_ids`` (each ``(B, T)``)."""
+PIPELINE_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gpt2": ("input_ids", ("attention_mask", "position_ids")),
+    "llama": ("input_ids", ("attention_mask", "position_ids")),
+    "bert": ("input_ids", ("attention_mask", "position_ids", "token_type_ids")),
+    "vit": ("pixel_values", ()),
+}
+"""``model_type`` -> (the input the first stage embeds, the further inputs every stage may take,
+each shaped like the first: ``(B, T)``)."""
 
 _MASK, _ROPE = "_colossal_causal_mask", "_colossal_rotary"  # derived values kept in a micro-batch's extras
 
@@ -102,6 +112,40 @@ def _llama_head(model: nn.Module, x: torch.Tensor, extras: dict) -> torch.Tensor
     return model.lm_head(model.model.norm(x))  # (b, T, V)
 
 
+def _bidirectional_mask(config, x: torch.Tensor, extras: dict):
+    """The encoder's own attention mask for this micro-batch (padding only), built once."""
+    if _MASK not in extras:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        extras[_MASK] = create_bidirectional_mask(
+            config=config, inputs_embeds=x, attention_mask=extras.get("attention_mask")
+        )
+    return extras[_MASK]
+
+
+def _bert_embed(model: nn.Module, ids: torch.Tensor, extras: dict) -> torch.Tensor:
+    return model.bert.embeddings(
+        input_ids=ids, position_ids=extras.get("position_ids"), token_type_ids=extras.get("token_type_ids")
+    )  # (b, T, C)
+
+
+def _bert_block(model: nn.Module, block: nn.Module, x: torch.Tensor, extras: dict) -> torch.Tensor:
+    return _layer_out(block(x, _bidirectional_mask(model.config, x, extras)))
+
+
+def _bert_head(model: nn.Module, x: torch.Tensor, extras: dict) -> torch.Tensor:
+    return model.cls(x)  # (b, T, V)
+
+
+def _vit_embed(model: nn.Module, pixels: torch.Tensor, extras: dict) -> torch.Tensor:
+    dtype = model.vit.embeddings.patch_embeddings.projection.weight.dtype
+    return model.vit.embeddings(pixels.to(dtype))  # (b, 1 + patches, C)
+
+
+def _vit_head(model: nn.Module, x: torch.Tensor, extras: dict) -> torch.Tensor:
+    return model.classifier(model.vit.layernorm(x)[:, 0, :])  # the CLS token: (b, labels)
+
+
 def _private_rotary(model: nn.Module, device: torch.device) -> nn.Module:
     """A copy of the model's rotary embedding on ``device``, outside the model (rebuilt from the
     config when the model's is still on the meta device)."""
@@ -119,4 +163,8 @@ def hf_stage_fns(model_type: str, model: nn.Module, device: torch.device):
         return _gpt2_embed, _gpt2_head, functools.partial(_gpt2_block, model)
     if model_type == "llama":
         return _llama_embed, _llama_head, functools.partial(_llama_block, model, _private_rotary(model, device))
-    raise NotImplementedError(f"{model_type}: no pipeline stages; supported: gpt2, llama")
+    if model_type == "bert":
+        return _bert_embed, _bert_head, functools.partial(_bert_block, model)
+    if model_type == "vit":
+        return _vit_embed, _vit_head, functools.partial(_bert_block, model)  # the same call: (x, mask)
+    raise NotImplementedError(f"{model_type}: no pipeline stages; supported: {', '.join(PIPELINE_INPUTS)}")

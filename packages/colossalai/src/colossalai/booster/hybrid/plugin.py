@@ -169,7 +169,7 @@ class HybridParallelPlugin(Plugin):
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
         self.num_microbatches = num_microbatches or pp_size
         self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
-        self._pp_extras: tuple[str, ...] | None = None  # a Hugging Face pipeline's extra inputs (attention_mask, ...)
+        self._pp_inputs: tuple | None = None  # a Hugging Face pipeline's (first input, extra inputs)
         self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline
         self._aux_sink: list | None = None  # pp: MoE aux losses backpropagated this step (add_moe_aux_losses)
         self._aux_weight = 1.0
@@ -257,9 +257,9 @@ class HybridParallelPlugin(Plugin):
                 sp = mesh.group("sp") if self.sp_size > 1 else None
                 self._pipe = apply_pp(model, mesh, pp_cfg, gather=gather, sp=sp, device=self.device, policy=policy)
                 if getattr(policy, "pp_blocks", None) is not None:
-                    from colossalai.policies.hf_pipeline import PIPELINE_EXTRAS
+                    from colossalai.policies.hf_pipeline import PIPELINE_INPUTS
 
-                    self._pp_extras = PIPELINE_EXTRAS
+                    self._pp_inputs = PIPELINE_INPUTS[policy.model_type]
                 wrapped = PipelineModule(model, self._pipe)
         rebind_optimizer(optimizer, names, model)
         if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
@@ -299,12 +299,12 @@ class HybridParallelPlugin(Plugin):
     def execute_pipeline(self, model: nn.Module, x, y: torch.Tensor, criterion) -> torch.Tensor:
         """Forward and backward of the batch ``(x, y)`` through the pipeline, gradients reduced
         over dp; returns the batch loss (the same on every rank of the pipeline). For a Hugging
-        Face causal LM ``x`` may be a dict of ``input_ids`` with ``attention_mask`` and/or
-        ``position_ids`` (every stage's blocks use them), and ``criterion(logits, y)`` sees the
-        whole ``(b, T, V)`` logits of each micro-batch."""
+        Face model ``x`` may be a dict of ``input_ids`` with ``attention_mask`` and/or
+        ``position_ids`` (every stage's blocks use them; ``pixel_values`` for ViT), and
+        ``criterion(logits, y)`` sees the whole logits of each micro-batch."""
         if self._pipe is None:
             raise RuntimeError("execute_pipeline needs a model boosted with pp_size > 1")
-        x, extras = pipeline_inputs(x, self._pp_extras)  # on every rank, before any transfer
+        x, extras = pipeline_inputs(x, self._pp_inputs)  # on every rank, before any transfer
         if self.sp_size > 1 and (x.dim() < 2 or x.shape[1] % self.sp_size):  # on every rank, before any transfer
             raise ValueError(
                 f"sequence parallel needs the sequence length divisible by sp_size={self.sp_size}, "

@@ -140,32 +140,34 @@ def apply_pp(model: nn.Module, mesh, cfg, *, gather, sp, device, policy=None):
     return PipelineParallel(model, cfg, mesh.group("pp"), embed=embed, head=head, device=device)
 
 
-def pipeline_inputs(x, extra_keys: tuple[str, ...] | None):
+def pipeline_inputs(x, keys: tuple[str, tuple[str, ...]] | None):
     """``(inputs, extras)`` of a pipeline batch's ``x``: a tensor, or (a Hugging Face model,
-    ``extra_keys`` given) a dict of ``input_ids`` plus any of ``extra_keys`` (``attention_mask``,
-    ``position_ids``), each ``(B, T)``. ``extras`` is ``None`` for a model without extra inputs.
-    Raises ``TypeError`` / ``ValueError`` naming what is wrong, before any transfer."""
-    if extra_keys is None:
+    ``keys = (first, extra_keys)`` given) a dict of ``first`` (``input_ids``, ``pixel_values``) plus
+    any of ``extra_keys`` (``attention_mask``, ``position_ids``, ...), each shaped like ``first``.
+    ``extras`` is ``None`` for a model without extra inputs. Raises ``TypeError`` / ``ValueError``
+    naming what is wrong, before any transfer."""
+    if keys is None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(
                 f"this pipeline takes a tensor of inputs (the batch's x), got {type(x).__name__}; a dict of "
                 "input_ids and attention_mask is for Hugging Face models with a pipeline policy"
             )
         return x, None
+    first, extra_keys = keys
     if isinstance(x, torch.Tensor):
         return x, {}
-    if not isinstance(x, dict) or "input_ids" not in x:
+    if not isinstance(x, dict) or first not in x:
         got = sorted(x) if isinstance(x, dict) else type(x).__name__
-        raise TypeError(f"a Hugging Face pipeline batch's x is input_ids or a dict with 'input_ids', got {got}")
-    unknown = sorted(set(x) - {"input_ids", *extra_keys})
+        raise TypeError(f"this Hugging Face pipeline's x is {first} or a dict with {first!r}, got {got}")
+    unknown = sorted(set(x) - {first, *extra_keys})
     if unknown:
-        raise ValueError(f"pipeline inputs {unknown} are not supported; x may hold input_ids and {list(extra_keys)}")
-    ids = x["input_ids"]
+        raise ValueError(f"pipeline inputs {unknown} are not supported; x may hold {first} and {list(extra_keys)}")
+    extras = {k: v for k, v in x.items() if k != first and v is not None}
     shape = lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__  # noqa: E731
-    bad = {k: shape(v) for k, v in x.items() if v is not None and shape(v) != shape(ids)}
+    bad = {k: shape(v) for k, v in extras.items() if shape(v) != shape(x[first])}
     if bad:
-        raise ValueError(f"{sorted(bad)} must have the shape of input_ids {tuple(ids.shape)}, got {bad}")
-    return ids, {k: v for k, v in x.items() if k != "input_ids" and v is not None}
+        raise ValueError(f"{sorted(bad)} must have the shape of {first} {shape(x[first])}, got {bad}")
+    return x[first], extras
 
 
 class PipelineModule(nn.Module):
