@@ -25,7 +25,7 @@ boundaries:
 
 Only the hidden state ``(b, T, C)`` crosses stages. Llama's rotary embedding is registered after
 the norm, so the pipeline would leave its ``inv_freq`` buffer (not a checkpoint entry) real on the
-last stage only: each rank keeps a private copy of the module, outside the model, for its blocks.
+last stage only: each rank builds a private one from the config, outside the model, for its blocks.
 GPT-2's tied ``wte``/``lm_head`` is one logical weight held by the first and the last stage, its
 gradient summed over the two (``[Note: tied embeddings]`` in ``colossal.pipeline.stages``).
 
@@ -34,7 +34,6 @@ Nothing here imports ``transformers`` at module level.
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -147,12 +146,10 @@ def _vit_head(model: nn.Module, x: torch.Tensor, extras: dict) -> torch.Tensor:
 
 
 def _private_rotary(model: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of the model's rotary embedding on ``device``, outside the model (rebuilt from the
-    config when the model's is still on the meta device)."""
-    rotary = model.model.rotary_emb
-    if any(b.is_meta for b in rotary.buffers()):
-        return type(rotary)(config=model.config, device=device)
-    return copy.deepcopy(rotary).to(device)
+    """The model's rotary embedding rebuilt from its config on ``device``, outside the model: its
+    ``inv_freq`` is a non-persistent buffer (in no checkpoint) that a model built on the meta
+    device holds uninitialised, so it is computed afresh rather than copied."""
+    return type(model.model.rotary_emb)(config=model.config).to(device)
 
 
 def hf_stage_fns(model_type: str, model: nn.Module, device: torch.device):
