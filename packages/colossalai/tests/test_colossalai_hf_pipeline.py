@@ -5,7 +5,9 @@ locally) under ``HybridParallelPlugin(pp_size=2)``: pp=2 on 2 ranks and pp2 x tp
 against the unwrapped model trained by plain PyTorch on its own ``loss`` (``model(**batch).loss``).
 A ``save_pretrained`` folder (GPT-2, Llama) loaded under pp=2, trained and exported loads strictly
 with ``transformers``' ``from_pretrained`` and gives the logits of the same training in plain
-PyTorch. Bad configurations raise before any collective (at boost) or any transfer (per step).
+PyTorch. The same ``execute_pipeline`` loop drives GPT-2 under tp=2 without a pipeline
+(``model(**x)``, the output's logits). Bad configurations raise before any collective (at boost) or
+any transfer (per step).
 
 Tolerance: fp32, 1e-5 relative on every step's loss and every final parameter, 1e-7 absolute for
 elements near zero (the exported logits: 1e-6 absolute, logits are O(1)): the pipeline accumulates
@@ -41,6 +43,7 @@ CASES = {
         ("llama", "pp2-gpipe-m4"): dict(tp_size=1, pp_size=2, num_microbatches=4, pp_schedule="gpipe"),
         ("bert", "pp2"): dict(tp_size=1, **PP),
         ("vit", "pp2"): dict(tp_size=1, **PP),
+        ("gpt2", "tp2, no pp: the same loop"): dict(tp_size=2),  # execute_pipeline without a pipeline
     },
     4: {
         ("gpt2", "pp2xtp2"): dict(tp_size=2, **PP),
