@@ -1,7 +1,8 @@
 """Hugging Face models (GPT-2 with its tied ``wte``/``lm_head``, Llama with grouped-query
 attention and RoPE; BERT masked LM and ViT classifier on pp=2 only; tiny random configs built
 locally) under ``HybridParallelPlugin(pp_size=2)``: pp=2 on 2 ranks and pp2 x tp2 on 4 ranks train
-3 steps through ``booster.execute_pipeline`` with right-padded rows and their ``attention_mask``,
+3 steps through ``booster.execute_pipeline`` with padded rows and their ``attention_mask`` (left
+padding for the causal LMs, so the mask matters),
 against the unwrapped model trained by plain PyTorch on its own ``loss`` (``model(**batch).loss``).
 A ``save_pretrained`` folder (GPT-2, Llama) loaded under pp=2, trained and exported loads strictly
 with ``transformers``' ``from_pretrained`` and gives the logits of the same training in plain
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import batches, build, loss  # noqa: E402
+from hf_models import batches as right_padded_batches  # noqa: E402
+from hf_models import build, loss  # noqa: E402
 
 from colossal.comm.testing import run_distributed  # noqa: E402
 from colossalai import Booster, HybridParallelPlugin  # noqa: E402
@@ -41,7 +43,7 @@ CASES = {
     2: {
         ("gpt2", "pp2"): dict(tp_size=1, **PP),
         ("llama", "pp2-gpipe-m4"): dict(tp_size=1, pp_size=2, num_microbatches=4, pp_schedule="gpipe"),
-        ("bert", "pp2"): dict(tp_size=1, **PP),
+        ("bert", "pp2-zero_bubble"): dict(tp_size=1, pp_schedule="zero_bubble", **PP),
         ("vit", "pp2"): dict(tp_size=1, **PP),
         ("gpt2", "tp2, no pp: the same loop"): dict(tp_size=2),  # execute_pipeline without a pipeline
     },
@@ -50,6 +52,18 @@ CASES = {
         ("llama", "pp2xtp2"): dict(tp_size=2, **PP),
     },
 }
+
+
+def batches(family: str) -> list[dict]:
+    """``hf_models``' batches, with the padded rows of the causal LMs padded on the left: with right
+    padding a causal model's real tokens never see the pads, so a dropped ``attention_mask`` would
+    go unnoticed; with left padding it changes every loss."""
+    out = right_padded_batches(family)
+    if family in ("gpt2", "llama"):
+        for b in out:
+            for k in ("input_ids", "attention_mask", "labels"):
+                b[k][1::2] = b[k][1::2].roll(3, dims=1)
+    return out
 
 
 def _optimizer(model):
