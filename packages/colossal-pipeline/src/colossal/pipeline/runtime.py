@@ -162,6 +162,9 @@ class PipelineParallel:
             registered after the blocks).
         device: where this rank's tensors live (default: ``colossal.comm.default_device()``).
         init: initialiser for modules whose tensors were on the meta device.
+        block_call: ``block_call(block, x, extras) -> x`` runs one block in a step given
+            ``extras`` (``[Note: per-micro-batch extras]`` in :mod:`colossal.pipeline.stages`;
+            default ``block(x)``).
 
     Every check that can fail (block sequence, partition, schedule) runs before any communication,
     so a bad configuration raises the same ``ValueError`` on every rank.
@@ -177,6 +180,7 @@ class PipelineParallel:
         head: Callable | None = None,
         device: torch.device | str | None = None,
         init: Callable[[nn.Module], None] | None = None,
+        block_call: Callable[[nn.Module, torch.Tensor, dict], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -190,7 +194,7 @@ class PipelineParallel:
         tied = _tied_names(model, owners)
         self.chunks = split_model(
             model, chunk_ids, self.bounds, blocks=self.blocks_name, embed=embed, head=head,
-            activation_checkpointing=config.activation_checkpointing,
+            activation_checkpointing=config.activation_checkpointing, block_call=block_call,
         )  # fmt: skip
         self._steps = _group_steps(self.schedule.actions(self.rank))
         backend = dist.get_backend(group)
@@ -279,7 +283,7 @@ class PipelineParallel:
 
     # --- one step ------------------------------------------------------------------------------------
 
-    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None, extras: dict | None) -> None:
         m = self.schedule.m
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
@@ -293,12 +297,23 @@ class PipelineParallel:
                 f"targets must be a tensor with the batch's {inputs.shape[0]} rows, got "
                 f"{getattr(targets, 'shape', type(targets).__name__)}"
             )
+        if extras is not None and not isinstance(extras, dict):
+            raise TypeError(f"extras must be a dict of name -> tensor, got {type(extras).__name__}")
+        bad = {
+            k: getattr(v, "shape", type(v).__name__)
+            for k, v in (extras or {}).items()
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != inputs.shape[0]
+        }
+        if bad:
+            raise ValueError(f"extras must be tensors with the batch's {inputs.shape[0]} rows, got {bad}")
 
     def step(
         self,
         inputs: torch.Tensor,
         targets: torch.Tensor | None,
         loss_fn: Callable[..., torch.Tensor],
+        *,
+        extras: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch through the pipeline; returns the batch loss (a
         detached scalar, the same on every rank). Gradients are accumulated into ``.grad``.
@@ -306,8 +321,10 @@ class PipelineParallel:
         Every rank passes the same ``inputs`` (and ``targets``): the first stage embeds them, the
         last computes ``loss_fn(outputs, targets)`` per micro-batch (``loss_fn(outputs)`` when
         ``targets`` is ``None``), and all use their shape to agree on transfer shapes.
+        ``extras``: further per-sample tensors (an attention mask, position ids) that every chunk
+        of a micro-batch receives (``[Note: per-micro-batch extras]`` in :mod:`colossal.pipeline.stages`).
         """
-        self._check_batch(inputs, targets)
+        self._check_batch(inputs, targets, extras)
         t0, m = time.perf_counter(), self.schedule.m
         warm = self.links.set_signature((tuple(inputs.shape), inputs.dtype, m))
         run = _Run(
@@ -315,6 +332,7 @@ class PipelineParallel:
             inputs.to(self.device).chunk(m),
             None if targets is None else targets.to(self.device).chunk(m),
             loss_fn,
+            _chunk_extras(extras, m, self.device),
         )
         saved = self._stash_tied_grads()
         if self.p2p_mode == "grouped":
@@ -399,8 +417,9 @@ class PipelineParallel:
 class _Run:
     """State of one step: held activations, received tensors, micro-batch losses."""
 
-    def __init__(self, pipe: PipelineParallel, inputs, targets, loss_fn) -> None:
+    def __init__(self, pipe: PipelineParallel, inputs, targets, loss_fn, extras=None) -> None:
         self.pipe, self.inputs, self.targets, self.loss_fn = pipe, inputs, targets, loss_fn
+        self.extras: list[dict] | None = extras  # per micro-batch (None: blocks take the hidden state only)
         self.chunks = {c.index: c for c in pipe.chunks}
         self.last = pipe.schedule.n_chunks - 1
         self.scale = 1.0 / pipe.schedule.m if pipe.config.loss_reduction == "mean" else 1.0
@@ -441,7 +460,7 @@ class _Run:
         else:
             x = self.inbox.pop((_K.RECV_F, mb, c)).detach()
             x.requires_grad_(x.is_floating_point())
-        out = self.chunks[c](x)
+        out = self.chunks[c](x) if self.extras is None else self.chunks[c](x, self.extras[mb])
         if c == self.last:
             loss = self.loss_fn(out) if self.targets is None else self.loss_fn(out, self.targets[mb])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -467,6 +486,14 @@ class _Run:
         if self.pipe.schedule.rank_of(c - 1) == self.pipe.rank:
             self.inbox[(_K.RECV_B, mb, c - 1)] = g
         return g
+
+
+def _chunk_extras(extras: dict | None, m: int, device: torch.device) -> list[dict] | None:
+    """``extras`` cut into ``m`` micro-batches, one fresh dict each (``None`` stays ``None``)."""
+    if extras is None:
+        return None
+    parts = {k: v.to(device).chunk(m) for k, v in extras.items()}
+    return [{k: v[i] for k, v in parts.items()} for i in range(m)]
 
 
 def _partition(

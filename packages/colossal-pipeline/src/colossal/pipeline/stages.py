@@ -19,6 +19,17 @@ build (:func:`materialize_owned` with ``init=None``); a model with its own whole
 initialiser applies the same rule itself (``colossalai``'s ``GPT.init_weights`` draws a meta
 parameter into a scratch tensor).
 
+[Note: per-micro-batch extras]
+A block of a model such as a Hugging Face decoder takes more than the hidden state: the padding
+mask, the position ids, rotary angles. ``PipelineParallel.step(..., extras={...})`` takes such
+tensors for the whole batch (each with the batch's rows); the runtime cuts them into the same
+micro-batches as the inputs, and every chunk of micro-batch ``i`` (on every rank, not just the
+first: every rank is handed the whole batch) calls ``embed(model, x, extras_i)``,
+``block_call(block, x, extras_i)`` and ``head(model, x, extras_i)``. Only the hidden state crosses
+stages; ``extras_i`` is a fresh dict per micro-batch, so a caller may keep values derived from it
+(a 4-D attention mask built once per chunk) in it under its own keys. Without ``extras`` the calls
+are the two-argument ``embed(model, x)``, ``block(x)``, ``head(model, x)``.
+
 [Note: tied embeddings]
 A tensor registered both before and after the blocks (GPT's ``wte.weight`` is ``lm_head.weight``)
 is one logical weight used by the first and the last chunk. When those live on different ranks,
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -211,28 +223,39 @@ class StageChunk:
         head: Callable[[nn.Module, torch.Tensor], torch.Tensor],
         param_names: list[str],
         activation_checkpointing: bool = False,
+        block_call: Callable[[nn.Module, torch.Tensor, dict], torch.Tensor] | None = None,
     ) -> None:
         self.model, self.index, self.blocks = model, index, list(blocks)
+        self._block_call = block_call
         self.is_first, self.is_last = index == 0, index == n_chunks - 1
         self._embed, self._head = embed, head
         self.param_names = param_names
         """Original names (in the whole model) of the parameters this chunk uses."""
         self.activation_checkpointing = activation_checkpointing
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, extras: dict | None = None) -> torch.Tensor:
+        """This chunk's forward; ``extras``: the micro-batch's extra inputs (``[Note: per-micro-batch
+        extras]``), handed to ``embed``, ``block_call`` and ``head`` when given."""
+        args = () if extras is None else (extras,)
         if self.is_first:
-            x = self._embed(self.model, x)
+            x = self._embed(self.model, x, *args)
         for blk in self.blocks:
+            call = blk if extras is None else functools.partial(self._block_call or _plain_block, blk)
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = _checkpoint(blk, x, use_reentrant=False)
+                x = _checkpoint(call, x, *args, use_reentrant=False)
             else:
-                x = blk(x)
+                x = call(x, *args)
         if self.is_last:
-            x = self._head(self.model, x)
+            x = self._head(self.model, x, *args)
         return x
 
     def __repr__(self) -> str:
         return f"StageChunk({self.index}, blocks={len(self.blocks)}, first={self.is_first}, last={self.is_last})"
+
+
+def _plain_block(block: nn.Module, x: torch.Tensor, extras: dict) -> torch.Tensor:
+    """The default ``block_call``: the block of the hidden state alone."""
+    return block(x)
 
 
 def _sides(model: nn.Module, blocks_name: str) -> tuple[list[str], list[str]]:
@@ -249,7 +272,7 @@ def _default_part(names: list[str], what: str, blocks_name: str) -> Callable[[nn
             f"blocks={blocks_name!r} is nested, so the {what} cannot be inferred; pass {what}=fn(model, x)"
         )
 
-    def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def run(model: nn.Module, x: torch.Tensor, extras: dict | None = None) -> torch.Tensor:
         for n in names:
             x = getattr(model, n)(x)
         return x
@@ -351,8 +374,10 @@ def split_model(
     embed: Callable | None = None,
     head: Callable | None = None,
     activation_checkpointing: bool = False,
+    block_call: Callable | None = None,
 ) -> list[StageChunk]:
-    """The :class:`StageChunk` objects of ``chunk_ids`` (global indices into ``bounds``).
+    """The :class:`StageChunk` objects of ``chunk_ids`` (global indices into ``bounds``);
+    ``block_call(block, x, extras)`` runs one block when a step has extras (default ``block(x)``).
 
     Only builds the views; :func:`materialize_owned` decides which tensors stay real.
     """
@@ -368,7 +393,15 @@ def split_model(
         names = [n for n, (part, i) in owners.items() if part in mine and (part != "block" or lo <= i < hi)]
         chunks.append(
             StageChunk(
-                model, c, len(bounds), [seq[i] for i in range(lo, hi)], embed, head, names, activation_checkpointing
-            )
+                model,
+                c,
+                len(bounds),
+                [seq[i] for i in range(lo, hi)],
+                embed,
+                head,
+                names,
+                activation_checkpointing,
+                block_call,
+            )  # fmt: skip
         )
     return chunks

@@ -175,13 +175,17 @@ class Booster:
         :meth:`backward`, or, with a pipeline-parallel plugin (``pp_size > 1``), all micro-batches
         through the pipeline schedule. Returns the (detached) loss; the caller then clips and
         steps as usual. Works with every plugin, so one training loop serves all of them.
-        The loss includes the MoE auxiliary losses (``[Note: MoE auxiliary losses]``)."""
+        The loss includes the MoE auxiliary losses (``[Note: MoE auxiliary losses]``). A Hugging
+        Face model takes ``x`` as a dict of its inputs (``input_ids``, ``attention_mask``, ...;
+        called ``model(**x)``) and ``criterion`` gets the output's ``logits``, under every plugin
+        (pipeline parallelism: see ``HybridParallelPlugin.execute_pipeline``)."""
         x, y = batch
         if self._moe_model is not None and not isinstance(criterion, MoEAuxLoss):
             criterion = MoEAuxLoss(criterion, self._moe_model)
         if getattr(self.plugin, "pp_size", 1) > 1:
             return self.plugin.execute_pipeline(model.module, x, y, criterion)
-        loss = criterion(model(x), y)
+        out = model(**x) if isinstance(x, dict) else model(x)  # a dict: a Hugging Face model's keyword inputs
+        loss = criterion(getattr(out, "logits", out), y)  # a transformers ModelOutput: its logits
         self.backward(loss, optimizer)
         return loss.detach()
 

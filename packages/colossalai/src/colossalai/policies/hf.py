@@ -13,7 +13,12 @@ sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
   split after the embeddings (padded to a multiple of ``sp_size``, the padding masked out) and
   gathered after the last norm; the attention core becomes ring or all-to-all attention that
   keeps the module's ``is_causal`` and the user's ``attention_mask`` (key padding).
-* **Pipeline parallel**: not available for these families yet (``NotImplementedError``).
+* **Pipeline parallel** (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``BertForMaskedLM``,
+  ``ViTForImageClassification``): the block sequence named by ``pp_blocks`` is split into stages,
+  embeddings on the first, final norm and head (``pp_head``) on the last; each stage runs the
+  model's own forward cut at block boundaries, with the user's ``attention_mask`` and position ids
+  (:mod:`.hf_pipeline`). Composes with 1D tensor parallelism and data parallelism; not with
+  sequence parallelism. Mixtral and other heads of these families raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -48,12 +53,17 @@ class HFPolicy:
     """The tensor-parallel layout is not one contiguous split per parameter (checkpoints use index maps)."""
     mlp_width: str = "intermediate_size"
     """The config attribute holding the MLP's hidden width (divided by ``tp_size``)."""
+    pp_blocks: str | None = None
+    """Dotted name of the block sequence the pipeline splits (``None``: no pipeline plan)."""
+    pp_head: str = "lm_head"
+    """The module the last stage ends with (the causal LM head); its absence means a model class
+    the pipeline stages do not cover (a bare ``GPT2Model``, a classification head)."""
 
     def check(self, model: nn.Module, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int) -> None:
         """Raise (``ValueError`` with the values, ``NotImplementedError`` with what is supported)
         before anything is built, identically on every rank."""
         if pp_size > 1:
-            raise NotImplementedError(f"{self.model_type}: pipeline parallelism (pp_size={pp_size}) is not available")
+            self._check_pipeline(model, pp_size, sp_size)
         if tp_size > 1 and tp_mode != "1d":
             raise NotImplementedError(f"{self.model_type}: tp_mode {tp_mode!r}; supported: '1d'")
         cfg = _config(model)
@@ -76,6 +86,47 @@ class HFPolicy:
             from colossalai.policies.hf_sequence import check_sequence
 
             check_sequence(self, model)
+
+    def _check_pipeline(self, model: nn.Module, pp_size: int, sp_size: int) -> None:
+        supported = [f"{t} ({p.pp_blocks} + {p.pp_head})" for t, p in HF_POLICIES.items() if p.pp_blocks is not None]
+        if self.pp_blocks is None:
+            raise NotImplementedError(
+                f"{self.model_type}: pipeline parallelism (pp_size={pp_size}) is not available for this family; "
+                f"supported Hugging Face families: {', '.join(supported)}"
+            )
+        if sp_size > 1:
+            raise NotImplementedError(
+                f"{self.model_type}: pipeline x sequence parallelism (pp_size={pp_size}, sp_size={sp_size}); "
+                "a Hugging Face pipeline composes with tp_size (1d) and dp"
+            )
+        try:
+            blocks = model.get_submodule(self.pp_blocks)
+            model.get_submodule(self.pp_head)
+        except AttributeError:
+            raise NotImplementedError(
+                f"{self.model_type}: pipeline parallelism covers the model with {self.pp_blocks} and {self.pp_head}; "
+                f"{type(model).__name__} has {sorted(n for n, _ in model.named_children())}"
+            ) from None
+        n = len(blocks) if isinstance(blocks, nn.ModuleList) else 0
+        if n < pp_size or n % pp_size:
+            raise ValueError(
+                f"{self.model_type}: {n} layers ({self.pp_blocks}) must be divisible by pp_size={pp_size} "
+                "(one equal share of the layers per stage)"
+            )
+        if getattr(_config(model), "is_decoder", False) and self.model_type == "bert":
+            raise NotImplementedError("bert: pipeline parallelism of a decoder (config.is_decoder); supported: encoder")
+        base = model.get_submodule(self.pp_blocks.split(".")[0])
+        if isinstance(getattr(base, "pooler", None), nn.Module):  # the stages' head does not run a pooler
+            raise NotImplementedError(
+                f"{self.model_type}: pipeline parallelism of {type(model).__name__} (a pooler head); supported: "
+                "GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM, ViTForImageClassification"
+            )
+
+    def stage_fns(self, model: nn.Module, device: torch.device):
+        """``(embed, head, block_call)`` of the pipeline stages (:func:`.hf_pipeline.hf_stage_fns`)."""
+        from colossalai.policies.hf_pipeline import hf_stage_fns
+
+        return hf_stage_fns(self.model_type, model, device)
 
     def plan(self, model: nn.Module) -> dict:
         """The ``Style`` plan of ``model`` (``colossal.tensor_parallel.hf_plan``)."""
@@ -169,6 +220,7 @@ HF_POLICIES: dict[str, HFPolicy] = {
         gather_after=r"ln_f",
         permutes=True,
         mlp_width="n_inner",
+        pp_blocks="transformer.h",
     ),
     "llama": HFPolicy(
         model_type="llama",
@@ -176,6 +228,7 @@ HF_POLICIES: dict[str, HFPolicy] = {
         split_after=r"embed_tokens",
         gather_after=r"model\.norm|^norm",
         rotary=r"rotary_emb",
+        pp_blocks="model.layers",
     ),
     "mixtral": HFPolicy(
         model_type="mixtral",
@@ -189,31 +242,39 @@ HF_POLICIES: dict[str, HFPolicy] = {
         attention=r"layer\.\d+\.attention\.self",
         split_after=r"embeddings",
         gather_after=r"encoder",
+        pp_blocks="bert.encoder.layer",
+        pp_head="cls",
     ),
     "vit": HFPolicy(
         model_type="vit",
         attention=r"layers\.\d+\.attention",
         split_after=r"embeddings",
         gather_after=r"layernorm",
+        pp_blocks="vit.layers",
+        pp_head="classifier",
     ),
 }
 """``config.model_type`` -> policy. The docs page "Hugging Face models" tables what each does.
 
-* ``gpt2``: :class:`GPT2Policy`.
+* ``gpt2``: :class:`GPT2Policy`; pipeline: ``transformer.h`` split into stages
+  (``GPT2LMHeadModel``, tied ``wte``/``lm_head`` across the first and last stage).
 * ``llama``: grouped-query attention (q heads and k/v heads both divided by ``tp_size``, so each
   must be divisible by it; a rank keeps ``num_key_value_groups``), RoPE (sequence parallel: the
   rotary embedding sees global positions), SwiGLU MLP (``gate_proj``/``up_proj`` column-,
-  ``down_proj`` row-parallel); ``embed_tokens``/``lm_head`` replicated (tied or not).
+  ``down_proj`` row-parallel); ``embed_tokens``/``lm_head`` replicated (tied or not). Pipeline:
+  ``model.layers`` split into stages (``LlamaForCausalLM``).
 * ``mixtral``: Llama attention split the same way; the sparse-MoE experts and router are
   replicated on every tp rank (each computes every expert for its replicated activations), not
   expert-parallel (colossal-moe's ``ep_size`` applies to ``colossal.moe.MoE`` layers, not to
   Mixtral's fused expert tensors).
 * ``bert``: bidirectional attention (``query/key/value`` column-, ``attention.output.dense``
   row-, ``intermediate.dense`` column-, ``output.dense`` row-parallel); sequence parallel splits
-  after ``embeddings`` and gathers after ``encoder``, keeping the padding mask.
+  after ``embeddings`` and gathers after ``encoder``, keeping the padding mask. Pipeline:
+  ``bert.encoder.layer`` split into stages (``BertForMaskedLM``, tied word embeddings / decoder).
 * ``vit``: bidirectional attention (``q/k/v_proj``, ``o_proj``, ``mlp.fc1``/``fc2``); sequence
   parallel splits the patch+CLS sequence after ``embeddings`` (padded to a multiple of ``sp_size``,
-  the padding masked) and gathers after ``layernorm``.
+  the padding masked) and gathers after ``layernorm``. Pipeline: ``vit.layers`` split into stages
+  (``ViTForImageClassification``, the classifier on the CLS token).
 """
 
 

@@ -61,6 +61,7 @@ from colossalai.booster.hybrid.pp import (
     average_over_dp,
     materialize_stages,
     pipeline_config,
+    pipeline_inputs,
     replicas_over_pp_tp,
     stage_view,
 )
@@ -168,6 +169,7 @@ class HybridParallelPlugin(Plugin):
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
         self.num_microbatches = num_microbatches or pp_size
         self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
+        self._pp_inputs: tuple | None = None  # a Hugging Face pipeline's (first input, extra inputs)
         self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline
         self._aux_sink: list | None = None  # pp: MoE aux losses backpropagated this step (add_moe_aux_losses)
         self._aux_weight = 1.0
@@ -229,10 +231,12 @@ class HybridParallelPlugin(Plugin):
         mesh = self._build_mesh()
         names = param_names(model)
         pp_cfg = None
+        policy = plan.policy if plan is not None else None
         if self.pp_size > 1:
             pp_cfg = pipeline_config(
-                model, num_microbatches=self.num_microbatches, schedule=self.pp_schedule, virtual=self.pp_virtual
-            )
+                model, num_microbatches=self.num_microbatches, schedule=self.pp_schedule, virtual=self.pp_virtual,
+                blocks=getattr(policy, "pp_blocks", None),
+            )  # fmt: skip
         if pp_cfg is not None and any(t.is_meta for t in model.parameters()):  # only this rank's stages
             materialize_stages(model, mesh, pp_cfg, self.device)
         else:
@@ -251,7 +255,11 @@ class HybridParallelPlugin(Plugin):
                 self._ep = apply_expert_parallel(model, self.ep_size, dp_group(mesh, self.sp_size), wrapped)
             if self.pp_size > 1:  # 4. pp cuts the converted model into this rank's stages
                 sp = mesh.group("sp") if self.sp_size > 1 else None
-                self._pipe = apply_pp(model, mesh, pp_cfg, gather=gather, sp=sp, device=self.device)
+                self._pipe = apply_pp(model, mesh, pp_cfg, gather=gather, sp=sp, device=self.device, policy=policy)
+                if getattr(policy, "pp_blocks", None) is not None:
+                    from colossalai.policies.hf_pipeline import PIPELINE_INPUTS
+
+                    self._pp_inputs = PIPELINE_INPUTS[policy.model_type]
                 wrapped = PipelineModule(model, self._pipe)
         rebind_optimizer(optimizer, names, model)
         if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
@@ -288,11 +296,15 @@ class HybridParallelPlugin(Plugin):
             return ExpertParallelOptimizer(optimizer, model, self._ep, replicas, mesh.group(axis), size, scaler)
         return TensorParallelOptimizer(optimizer, replicas, mesh.group(axis), size, scaler)
 
-    def execute_pipeline(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion) -> torch.Tensor:
+    def execute_pipeline(self, model: nn.Module, x, y: torch.Tensor, criterion) -> torch.Tensor:
         """Forward and backward of the batch ``(x, y)`` through the pipeline, gradients reduced
-        over dp; returns the batch loss (the same on every rank of the pipeline)."""
+        over dp; returns the batch loss (the same on every rank of the pipeline). For a Hugging
+        Face model ``x`` may be a dict of ``input_ids`` with ``attention_mask`` and/or
+        ``position_ids`` (every stage's blocks use them; ``pixel_values`` for ViT), and
+        ``criterion(logits, y)`` sees the whole logits of each micro-batch."""
         if self._pipe is None:
             raise RuntimeError("execute_pipeline needs a model boosted with pp_size > 1")
+        x, extras = pipeline_inputs(x, self._pp_inputs)  # on every rank, before any transfer
         if self.sp_size > 1 and (x.dim() < 2 or x.shape[1] % self.sp_size):  # on every rank, before any transfer
             raise ValueError(
                 f"sequence parallel needs the sequence length divisible by sp_size={self.sp_size}, "
@@ -302,7 +314,7 @@ class HybridParallelPlugin(Plugin):
         ctx = torch.autocast(self.device.type, dtype=self._precision.dtype) if amp else contextlib.nullcontext()
         if self._zero is not None:
             with self._zero.no_sync(), ctx:
-                loss = self._pipe.step(x, y, criterion)
+                loss = self._pipe.step(x, y, criterion, extras=extras)
             # the first backward outside no_sync reduces what the micro-batches accumulated
             torch.stack([p.reshape(-1)[0] for p in self._pipe.parameters()]).sum().mul(0.0).backward()
             aux = self._stage_aux_losses()  # MoE aux losses of every stage (Booster(moe_aux_loss=True))
@@ -310,7 +322,7 @@ class HybridParallelPlugin(Plugin):
         scaler = self._scaler
         loss_fn = criterion if scaler is None else (lambda out, target: scaler.scale_loss(criterion(out, target)))
         with ctx:
-            loss = self._pipe.step(x, y, loss_fn)
+            loss = self._pipe.step(x, y, loss_fn, extras=extras)
         params = list(self._pipe.parameters())
         if self._ep is not None:  # experts reduce over edp once per step, in the optimizer
             experts = {id(p) for p in self._ep.expert_parameters(self.unwrap(model))}

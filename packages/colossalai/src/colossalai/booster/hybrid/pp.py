@@ -48,6 +48,7 @@ from colossalai.booster.wrappers import BoostedOptimizer
 
 __all__ = [
     "PipelineModule",
+    "pipeline_inputs",
     "PipelineOptimizer",
     "apply_pp",
     "average_over_dp",
@@ -98,15 +99,16 @@ def stage_fns(model: nn.Module, gather=None, sp_group=None):
     return embed, head
 
 
-def pipeline_config(model: nn.Module, *, num_microbatches: int, schedule: str, virtual: int):
+def pipeline_config(model: nn.Module, *, num_microbatches: int, schedule: str, virtual: int, blocks: str | None = None):
     """The ``colossal.pipeline.PipelineConfig`` of the plugin's pp settings (activation
-    checkpointing taken from the model's config)."""
+    checkpointing taken from the model's config; ``blocks``: the block sequence a policy names)."""
     from colossal.pipeline import PipelineConfig
 
     ckpt = bool(getattr(getattr(model, "config", None), "activation_checkpointing", False))
     return PipelineConfig(
-        num_microbatches=num_microbatches, schedule=schedule, virtual=virtual, activation_checkpointing=ckpt
-    )
+        num_microbatches=num_microbatches, schedule=schedule, virtual=virtual, activation_checkpointing=ckpt,
+        blocks=blocks,
+    )  # fmt: skip
 
 
 def materialize_stages(model: nn.Module, mesh, cfg, device: torch.device) -> None:
@@ -124,13 +126,48 @@ def materialize_stages(model: nn.Module, mesh, cfg, device: torch.device) -> Non
         model.init_weights()
 
 
-def apply_pp(model: nn.Module, mesh, cfg, *, gather, sp, device):
+def apply_pp(model: nn.Module, mesh, cfg, *, gather, sp, device, policy=None):
     """Split ``model`` over the mesh's ``pp`` axis; returns the ``colossal.pipeline.PipelineParallel``.
-    ``gather``: the tensor-parallel logits gather (or ``None``); ``sp``: the sequence group (or ``None``)."""
+    ``gather``: the tensor-parallel logits gather (or ``None``); ``sp``: the sequence group (or ``None``);
+    ``policy``: a Hugging Face policy, whose stages run the model's own forward cut at the blocks
+    (``[Note: a Hugging Face model cut into pipeline stages]`` in :mod:`colossalai.policies.hf_pipeline`)."""
     from colossal.pipeline import PipelineParallel
 
+    if getattr(policy, "pp_blocks", None) is not None:
+        embed, head, call = policy.stage_fns(model, device)  # its logits are whole: no gather
+        return PipelineParallel(model, cfg, mesh.group("pp"), embed=embed, head=head, device=device, block_call=call)
     embed, head = stage_fns(model, gather, sp)
     return PipelineParallel(model, cfg, mesh.group("pp"), embed=embed, head=head, device=device)
+
+
+def pipeline_inputs(x, keys: tuple[str, tuple[str, ...]] | None):
+    """``(inputs, extras)`` of a pipeline batch's ``x``: a tensor, or (a Hugging Face model,
+    ``keys = (first, extra_keys)`` given) a dict of ``first`` (``input_ids``, ``pixel_values``) plus
+    any of ``extra_keys`` (``attention_mask``, ``position_ids``, ...), each shaped like ``first``.
+    ``extras`` is ``None`` for a model without extra inputs. Raises ``TypeError`` / ``ValueError``
+    naming what is wrong, before any transfer."""
+    if keys is None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"this pipeline takes a tensor of inputs (the batch's x), got {type(x).__name__}; a dict of "
+                "input_ids and attention_mask is for Hugging Face models with a pipeline policy"
+            )
+        return x, None
+    first, extra_keys = keys
+    if isinstance(x, torch.Tensor):
+        return x, {}
+    if not isinstance(x, dict) or first not in x:
+        got = sorted(x) if isinstance(x, dict) else type(x).__name__
+        raise TypeError(f"this Hugging Face pipeline's x is {first} or a dict with {first!r}, got {got}")
+    unknown = sorted(set(x) - {first, *extra_keys})
+    if unknown:
+        raise ValueError(f"pipeline inputs {unknown} are not supported; x may hold {first} and {list(extra_keys)}")
+    extras = {k: v for k, v in x.items() if k != first and v is not None}
+    shape = lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__  # noqa: E731
+    bad = {k: shape(v) for k, v in extras.items() if shape(v) != shape(x[first])}
+    if bad:
+        raise ValueError(f"{sorted(bad)} must have the shape of {first} {shape(x[first])}, got {bad}")
+    return x[first], extras
 
 
 class PipelineModule(nn.Module):
