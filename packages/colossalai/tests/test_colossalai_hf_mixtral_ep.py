@@ -1,7 +1,7 @@
 """Hugging Face Mixtral with its experts split by ``HybridParallelPlugin(ep_size=2)``.
 
 A tiny random ``MixtralForCausalLM`` (4 experts, top-2; built locally, never downloaded) trains 3
-steps with AdamW under ep=2 on 2 ranks, ep2 x dp2 and ep2 x tp2 on 4 ranks, with and without the
+steps with AdamW under ep=2 on 2 ranks, ep2 x dp2 (DDP and ZeRO-2) and ep2 x tp2 on 4 ranks, with and without the
 model's own router aux loss (``output_router_logits=True``), against plain PyTorch on the same
 unwrapped model: each step averages the losses of the dp ranks' rows of the global batch (the
 aux loss is per forward, so the reference runs each rank's rows as its own forward, as DDP's
@@ -33,6 +33,7 @@ CASES = {  # name -> (world, plugin kwargs, router aux loss)
     "ep2-aux": (2, dict(tp_size=1, ep_size=2), True),
     "ep2xdp2-aux": (4, dict(tp_size=1, ep_size=2), True),
     "ep2xtp2-aux": (4, dict(tp_size=2, ep_size=2), True),
+    "ep2xdp2-zero2": (4, dict(tp_size=1, ep_size=2, zero_stage=2), False),
 }
 
 

@@ -13,6 +13,9 @@ sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
   split after the embeddings (padded to a multiple of ``sp_size``, the padding masked out) and
   gathered after the last norm; the attention core becomes ring or all-to-all attention that
   keeps the module's ``is_causal`` and the user's ``attention_mask`` (key padding).
+* **Expert parallel** (families with :attr:`HFPolicy.experts`, Mixtral): ``ep_size > 1`` replaces
+  each sparse-MoE block by one holding this rank's experts (:mod:`.hf_moe`), composed with dp and
+  1D tp by :mod:`colossalai.booster.hybrid.ep`.
 * **Pipeline parallel**: not available for these families yet (``NotImplementedError``).
 """
 

@@ -9,8 +9,10 @@ parallelism and pipeline parallelism:
    each run of ``E`` consecutive dp ranks shares out the experts (the ``ep`` group), the ranks
    ``E`` apart hold the same experts (the ``edp`` group, ``D / E`` ranks); dense parameters still
    reduce over all of ``dp`` (``colossal.moe.expert_groups`` on the dp group). Checked before any
-   group is made (:func:`check_ep`): ``E`` divides ``D``, the model has MoE layers, each layer's
-   expert count is divisible by ``E``.
+   group is made (:func:`check_ep`): ``E`` divides ``D``, the model has expert layers
+   (:func:`expert_layers`: ``colossal.moe.MoE``, or a Hugging Face Mixtral's sparse-MoE blocks,
+   which its policy replaces by :class:`~colossalai.policies.hf_moe.MixtralExpertParallelBlock`),
+   each layer's expert count is divisible by ``E``.
 2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
    every tp rank of a dp rank holds the same experts and routes the same tokens; sp and
    2D/2.5D/3D tp raise ``ValueError`` in the plugin's constructor) and before the pipeline cuts

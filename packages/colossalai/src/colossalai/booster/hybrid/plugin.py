@@ -106,7 +106,8 @@ class HybridParallelPlugin(Plugin):
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
     ``HybridParallelPlugin(tp_size=1, ep_size=2)`` (or ``tp_size=2``, 1D): expert parallelism for a model with
-    ``colossal.moe.MoE`` layers (e.g. ``build_moe_gpt``): the dp axis is split into ``edp x ep``
+    ``colossal.moe.MoE`` layers (e.g. ``build_moe_gpt``) or a Hugging Face Mixtral (its
+    sparse-MoE blocks keep Mixtral's routing; :mod:`colossalai.policies.hf_moe`): the dp axis is split into ``edp x ep``
     (``ep`` consecutive ranks share out each layer's experts; ``[Note: expert parallelism in the
     hybrid plugin]`` in :mod:`colossalai.booster.hybrid.ep`), dense parameters reduce over dp with
     DDP, expert gradients over ``edp`` before ``step``; checkpoints hold every expert under its
