@@ -11,7 +11,7 @@ matmuls over expert-sorted rows instead of a loop over experts, gradient average
 Checkpoints: a folder written by ``transformers``' own ``save_pretrained`` (per-expert layout)
 loads into the ep=2 model with the folder's logits; after 3 steps ``Booster.save_pretrained``
 writes a folder that ``MixtralForCausalLM.from_pretrained`` loads strictly with the trained
-logits. Bad sizes raise ``ValueError`` on every rank before any collective.
+logits, each rank reading only its own experts. Bad sizes raise ``ValueError`` on every rank before any collective.
 """
 
 import pathlib
@@ -26,6 +26,7 @@ from plan_harness import LR, boosted_losses, errors_on_every_rank  # noqa: E402
 
 from colossal.comm.testing import run_distributed  # noqa: E402
 from colossalai import Booster, HybridParallelPlugin  # noqa: E402
+from colossalai.checkpoint import hf as hf_io  # noqa: E402
 
 V = 64
 CASES = {  # name -> (world, plugin kwargs, router aux loss)
@@ -88,8 +89,18 @@ def _round_trip(src: str, out: str) -> dict:
     model = build()
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optim, *_ = booster.boost(model, optim)
-    skipped = booster.load_pretrained(model, src)
-    result = {"skipped": skipped, "loaded": logits_of(model, tokens(0))}
+    readers, original = [], hf_io.SafetensorsReader
+
+    def recording(*args, **kwargs):  # counts what this rank reads, in pieces smaller than an expert
+        readers.append(original(*args, piece_numel=256, **kwargs))
+        return readers[-1]
+
+    hf_io.SafetensorsReader = recording
+    try:
+        skipped = booster.load_pretrained(model, src)
+    finally:
+        hf_io.SafetensorsReader = original
+    result = {"skipped": skipped, "loaded": logits_of(model, tokens(0)), "read": readers[-1].read_numel}
     for step in range(3):
         booster.backward(loss(model, {"input_ids": tokens(10 + step), "labels": tokens(10 + step)}), optim)
         optim.step()
@@ -139,11 +150,13 @@ def test_mixtral_expert_parallel_trains_like_plain_pytorch(tmp_path, world):
     # transformers' own folder (per-expert layout) -> ep=2 -> 3 steps -> export -> from_pretrained
     assert any("block_sparse_moe.experts.3.w2" in k for k in _names(src))
     folder_model = transformers.MixtralForCausalLM.from_pretrained(src)
+    total = sum(t.numel() for t in folder_model.state_dict().values())
     exported, info = transformers.MixtralForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
     for r in results:
         rt = r["round_trip"]
         assert not any(rt["skipped"])
+        assert rt["read"] < 0.7 * total, (rt["read"], total)  # half of the experts (80% of the model) each
         torch.testing.assert_close(rt["loaded"], logits_of(folder_model, tokens(0)), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(logits_of(exported, tokens(0)), rt["trained"], rtol=1e-5, atol=1e-6)
         assert not torch.allclose(rt["trained"], rt["loaded"])  # the 3 steps changed the model

@@ -75,6 +75,7 @@ class ExpertParallel:
     """``ep`` (experts split), ``edp`` (same experts), ``dp`` (dense gradients)."""
     dense_shapes: dict[str, torch.Size]
     """Expert parameter name -> its full shape over all experts (dim 0 = experts)."""
+    _mesh: object = None  # the ep group as a 1-D DeviceMesh (row templates), built on first use
 
     @property
     def expert_param_names(self) -> list[str]:
@@ -102,16 +103,28 @@ class ExpertParallel:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def to_portable(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of expert parameter ``name`` (gathered over ``ep``); others as they are."""
+    def to_portable(self, name: str, local: torch.Tensor, rows: bool = False) -> torch.Tensor:
+        """The full tensor of expert parameter ``name`` (gathered over ``ep``); others as they are.
+        ``rows``: instead, a ``DTensor`` ``Shard(0)`` over the ep group holding this rank's rows
+        (no communication; a template from which a checkpoint reader reads only this rank's experts)."""
         if name not in self.dense_shapes or self.groups.ep_size == 1:
             return local
+        if rows:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            if self._mesh is None:
+                self._mesh = DeviceMesh.from_group(self.groups.ep, local.device.type)
+            return DTensor.from_local(local.contiguous(), self._mesh, [Shard(0)], run_check=False)
         return all_gather(local.contiguous(), group=self.groups.ep, tag="hybrid_ep.state")
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's experts of a full tensor of ``name`` (others as they are)."""
+        """This rank's experts of a full tensor of ``name`` (others as they are), or the local rows
+        of a ``to_portable(..., rows=True)`` template."""
         if name not in self.dense_shapes:
             return full
+        if hasattr(full, "to_local") and hasattr(full, "placements"):  # a DTensor row template
+            return full.to_local()
         if tuple(full.shape) != tuple(self.dense_shapes[name]):
             raise ValueError(f"{name}: expected shape {tuple(self.dense_shapes[name])}, got {tuple(full.shape)}")
         per = full.shape[0] // self.groups.ep_size
