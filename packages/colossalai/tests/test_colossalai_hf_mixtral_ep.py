@@ -173,3 +173,20 @@ def _names(folder) -> list[str]:
         with safe_open(str(f), framework="pt") as h:
             names += list(h.keys())
     return names
+
+
+def test_unstacked_experts_are_refused_by_name():
+    """transformers 4.x kept Mixtral's experts in a ModuleList under ``block_sparse_moe``: expert
+    parallelism refuses it (NotImplementedError naming the module), without any process group."""
+    from torch import nn
+
+    from colossalai.booster.hybrid.ep import check_ep
+
+    model = build()
+    old = nn.Module()
+    old.gate, old.top_k = nn.Linear(32, 4, bias=False), 2
+    old.experts = nn.ModuleList(nn.Linear(32, 64) for _ in range(4))
+    model.model.layers[1].block_sparse_moe = old
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.block_sparse_moe \(Module\)"):
+        check_ep(model, 2, 2)
+    assert sorted(check_ep(build(), 2, 2)) == ["model.layers.0.mlp", "model.layers.1.mlp"]

@@ -212,7 +212,7 @@ HF_POLICIES: dict[str, HFPolicy] = {
         split_after=r"embed_tokens",
         gather_after=r"model\.norm|^norm",
         rotary=r"rotary_emb",
-        experts=r"layers\.\d+\.mlp",
+        experts=r"layers\.\d+\.(mlp|block_sparse_moe)",  # transformers 5.x | 4.x (refused: not stacked)
     ),
     "bert": HFPolicy(
         model_type="bert",
