@@ -196,8 +196,8 @@ def check_ep(model: nn.Module, ep_size: int, dp_size: int) -> dict[str, ExpertLa
     layers = expert_layers(model)
     if not layers:
         raise ValueError(
-            f"ep_size={ep_size}: the model has no layer to split over experts (a colossal.moe.MoE, or the "
-            f"sparse-MoE blocks of a Hugging Face Mixtral)"
+            f"ep_size={ep_size}: the model has no colossal.moe.MoE layer (nor Hugging Face Mixtral sparse-MoE "
+            f"block) to split over experts"
         )
     for n, m in layers.items():
         if m.ep_size != 1:
