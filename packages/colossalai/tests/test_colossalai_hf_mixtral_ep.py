@@ -1,9 +1,9 @@
 """Hugging Face Mixtral with its experts split by ``HybridParallelPlugin(ep_size=2)``.
 
 A tiny random ``MixtralForCausalLM`` (4 experts, top-2; built locally, never downloaded) trains 3
-steps with AdamW under ep=2 on 2 ranks, ep2 x dp2 (DDP and ZeRO-2) and ep2 x tp2 on 4 ranks, with and without the
-model's own router aux loss (``output_router_logits=True``), against plain PyTorch on the same
-unwrapped model: each step averages the losses of the dp ranks' rows of the global batch (the
+steps with AdamW under ep=2 on 2 ranks, ep2 x dp2 (DDP and ZeRO-2) and ep2 x tp2 on 4 ranks, with
+and without the model's own router aux loss (``output_router_logits=True``), against plain PyTorch
+on the same unwrapped model: each step averages the losses of the dp ranks' rows of the global batch (the
 aux loss is per forward, so the reference runs each rank's rows as its own forward, as DDP's
 average of the ranks' losses does). fp32, rtol 1e-5: the same sums in another order (grouped
 matmuls over expert-sorted rows instead of a loop over experts, gradient averages over ranks).
@@ -11,7 +11,8 @@ matmuls over expert-sorted rows instead of a loop over experts, gradient average
 Checkpoints: a folder written by ``transformers``' own ``save_pretrained`` (per-expert layout)
 loads into the ep=2 model with the folder's logits; after 3 steps ``Booster.save_pretrained``
 writes a folder that ``MixtralForCausalLM.from_pretrained`` loads strictly with the trained
-logits, each rank reading only its own experts. Bad sizes raise ``ValueError`` on every rank before any collective.
+logits, each rank reading only its own experts. Bad sizes raise ``ValueError`` on every rank
+before any collective.
 """
 
 import pathlib
