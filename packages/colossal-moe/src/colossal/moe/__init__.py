@@ -6,7 +6,7 @@ group, and the helpers that reduce expert and dense gradients over their own gro
 """
 
 from colossal.moe.config import EXPERT_KINDS, MoEConfig
-from colossal.moe.dispatch import all_to_all_uneven, exchange_counts, sort_by_expert
+from colossal.moe.dispatch import all_to_all_uneven, exchange_counts, run_experts_parallel, sort_by_expert
 from colossal.moe.experts import MLPExperts, SwiGLUExperts, build_experts, grouped_mm
 from colossal.moe.layer import MoE, MoEStats, attach_aux_loss, moe_aux_loss, moe_layers
 from colossal.moe.parallel import ExpertGroups, dense_parameters, expert_groups, expert_parameters, reduce_gradients
@@ -36,5 +36,6 @@ __all__ = [
     "moe_layers",
     "reduce_gradients",
     "router_z_loss",
+    "run_experts_parallel",
     "sort_by_expert",
 ]

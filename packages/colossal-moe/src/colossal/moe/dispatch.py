@@ -21,13 +21,16 @@ row exchanges again, ``R C b + S C b``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
 import colossal.comm as cc
 
-__all__ = ["all_to_all_uneven", "exchange_counts", "sort_by_expert"]
+__all__ = ["all_to_all_uneven", "exchange_counts", "run_experts_parallel", "sort_by_expert"]
 
 
 class _AllToAllUneven(torch.autograd.Function):
@@ -66,3 +69,32 @@ def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     ``rows[order]`` is grouped by ascending expert, keeping the original order within a group."""
     order = torch.argsort(expert, stable=True)
     return order, torch.bincount(expert, minlength=num_experts)
+
+
+def run_experts_parallel(
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: ProcessGroup,
+) -> torch.Tensor:
+    """Steps 2-4 of ``[Note: expert-parallel dispatch]``: ``xs`` (M, C) rows sorted by global
+    expert with ``counts`` (E,) rows per expert -> (M, C) each row's expert output, same order.
+
+    This rank of ``group`` holds experts ``rank * E/ep .. (rank + 1) * E/ep - 1``; ``experts(x, c)``
+    runs them on ``x`` (R, C) sorted by local expert with ``c`` (E/ep,) rows each and returns (R, C).
+    Differentiable in ``xs`` and in whatever ``experts`` uses. Collective over ``group``.
+    """
+    ep = dist.get_world_size(group)
+    el = counts.numel() // ep
+    with record_function("colossal.moe::dispatch"):
+        recv = exchange_counts(counts, group)  # (ep, E_local)
+        send_splits = counts.view(ep, el).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        xr = all_to_all_uneven(xs, send_splits, recv_splits, group, tag="moe.dispatch")  # (R, C)
+        local = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv.reshape(-1).to(xs.device))
+        order = torch.argsort(local, stable=True)  # (R,) by local expert, then source rank
+    with record_function("colossal.moe::experts"):
+        y = experts(xr.index_select(0, order), recv.sum(0))
+    with record_function("colossal.moe::combine"):
+        y = torch.empty_like(xr).index_copy(0, order, y)  # (R, C) back in arrival order
+        return all_to_all_uneven(y, recv_splits, send_splits, group, tag="moe.combine")

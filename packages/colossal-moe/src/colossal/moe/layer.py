@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from colossal.moe.config import MoEConfig
-from colossal.moe.dispatch import all_to_all_uneven, exchange_counts, sort_by_expert
+from colossal.moe.dispatch import run_experts_parallel, sort_by_expert
 from colossal.moe.experts import build_experts
 from colossal.moe.router import Routing, TopKRouter
 
@@ -107,19 +107,7 @@ class MoE(nn.Module):
         if self.ep_group is None:
             with record_function("colossal.moe::experts"):
                 return self.experts(xs, counts)
-        ep, el = self.ep_size, self.num_local_experts
-        with record_function("colossal.moe::dispatch"):
-            recv = exchange_counts(counts, self.ep_group)  # (ep, E_local)
-            send_splits = counts.view(ep, el).sum(1).tolist()
-            recv_splits = recv.sum(1).tolist()
-            xr = all_to_all_uneven(xs, send_splits, recv_splits, self.ep_group, tag="moe.dispatch")  # (R, C)
-            local = torch.arange(el, device=xs.device).repeat(ep).repeat_interleave(recv.reshape(-1).to(xs.device))
-            order = torch.argsort(local, stable=True)  # (R,) by local expert, then source rank
-        with record_function("colossal.moe::experts"):
-            y = self.experts(xr.index_select(0, order), recv.sum(0))
-        with record_function("colossal.moe::combine"):
-            y = torch.empty_like(xr).index_copy(0, order, y)  # (R, C) back in arrival order
-            return all_to_all_uneven(y, recv_splits, send_splits, self.ep_group, tag="moe.combine")
+        return run_experts_parallel(xs, counts, self.experts, self.ep_group)
 
     def _record(self, routing: Routing, tokens: int, counts: torch.Tensor) -> None:
         cfg = self.config

@@ -15,13 +15,16 @@ Names follow ``transformers``: the folder's names are the model's ``state_dict``
 weight that the folder holds under one of its names only (GPT-2 saves ``transformer.wte.weight``,
 not ``lm_head.weight``) loads into both; a folder of the base model (no ``transformer.`` prefix)
 loads into a model with a head and the reverse (``base_model_prefix``); the model's
-``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing`` patterns are honoured.
-Everything else is strict: missing, unexpected and mis-shaped tensors are one
+``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing`` patterns are honoured;
+a Mixtral folder in the per-expert layout that ``transformers`` 5.x writes (``[Note: Mixtral's
+per-expert folder layout]``) loads into its stacked expert tensors. Everything else is strict:
+missing, unexpected and mis-shaped tensors are one
 :class:`~colossalai.checkpoint.CheckpointMismatchError`, before anything is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -37,7 +40,15 @@ from colossalai.checkpoint.entries import Entry, compare_entries, dtype_name
 from colossalai.checkpoint.errors import CheckpointMismatchError, IncompatibleEntries, unreadable
 from colossalai.checkpoint.safetensors_io import INDEX_NAME
 
-__all__ = ["SafetensorsReader", "load_pretrained", "save_pretrained", "parse_shard_size", "SINGLE_NAME"]
+__all__ = [
+    "FolderLayout",
+    "SafetensorsReader",
+    "load_pretrained",
+    "mixtral_layout",
+    "save_pretrained",
+    "parse_shard_size",
+    "SINGLE_NAME",
+]
 
 SINGLE_NAME = "model.safetensors"
 """The file of a one-shard folder (``transformers`` writes no index then)."""
@@ -81,16 +92,84 @@ def _header(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]
         raise unreadable(path, "the safetensors file", e) from e
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FolderLayout:
+    """How a folder's tensors map to the model's before name matching: ``rename`` (folder name ->
+    model-side name) and ``stacked`` (model-side name -> its rows, each row the folder tensors of
+    that name concatenated along their dim 0; the whole tensor stacks the rows along a new dim 0)."""
+
+    rename: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Folder name -> the name it has in the model."""
+    stacked: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
+    """Model-side name -> rows of folder names."""
+
+    @property
+    def consumed(self) -> set[str]:
+        """Folder names read only as parts of a stacked tensor."""
+        return {n for rows in self.stacked.values() for row in rows for n in row}
+
+    def names(self, files) -> list[str]:
+        """The model-side names the folder offers."""
+        return sorted({self.rename.get(n, n) for n in files if n not in self.consumed} | set(self.stacked))
+
+
+# [Note: Mixtral's per-expert folder layout]
+# transformers 5.x holds a Mixtral layer's experts stacked (``mlp.experts.gate_up_proj`` (E, 2F, C),
+# ``mlp.experts.down_proj`` (E, C, F), router ``mlp.gate.weight``) but its ``save_pretrained``
+# writes the per-expert layout of the published checkpoints: ``block_sparse_moe.experts.{e}.w1``
+# (gate, (F, C)), ``w3`` (up, (F, C)), ``w2`` (down, (C, F)) and ``block_sparse_moe.gate.weight``,
+# converting back in ``from_pretrained``. Loading such a folder, expert row ``e`` of
+# ``gate_up_proj`` is ``cat(w1_e, w3_e)`` and of ``down_proj`` is ``w2_e``: the reader offers both
+# stacked tensors as row-aligned pieces like any other (a rank reads only its experts' files'
+# tensors under expert parallelism). Our ``save_pretrained`` writes the model's own (stacked)
+# names, which ``transformers`` 5.x ``from_pretrained`` loads strictly as they are.
+_MIXTRAL_EXPERT = re.compile(r"^(?P<pre>.*)\.block_sparse_moe\.experts\.(?P<e>\d+)\.w(?P<w>[123])\.weight$")
+
+
+def mixtral_layout(files, headers: dict[str, tuple[tuple[int, ...], torch.dtype]], expected: set[str]) -> FolderLayout:
+    """``[Note: Mixtral's per-expert folder layout]``: the stacked expert tensors and renamed routers
+    of every layer whose folder holds all of ``experts.{0..E-1}.w{1,2,3}`` with consistent shapes,
+    when the model (``expected`` names) stores Mixtral experts stacked; otherwise nothing."""
+    if not any(n.endswith(".mlp.experts.gate_up_proj") for n in expected):
+        return FolderLayout()
+    parts: dict[str, dict[int, dict[str, str]]] = {}
+    for name in files:
+        m = _MIXTRAL_EXPERT.match(name)
+        if m:
+            parts.setdefault(m["pre"], {}).setdefault(int(m["e"]), {})[m["w"]] = name
+    layout = FolderLayout()
+    for pre, experts in parts.items():
+        complete = sorted(experts) == list(range(len(experts))) and all(len(w) == 3 for w in experts.values())
+        shapes = {tuple(headers[experts[e][w]][0] for w in "123") for e in experts} if complete else set()
+        if len(shapes) != 1 or len({headers[experts[0][w]][1] for w in "123"}) != 1:
+            continue  # left as it is: strict matching reports it
+        order = sorted(experts)
+        layout.stacked[f"{pre}.mlp.experts.gate_up_proj"] = [[experts[e]["1"], experts[e]["3"]] for e in order]
+        layout.stacked[f"{pre}.mlp.experts.down_proj"] = [[experts[e]["2"]] for e in order]
+        if f"{pre}.block_sparse_moe.gate.weight" in headers:
+            layout.rename[f"{pre}.block_sparse_moe.gate.weight"] = f"{pre}.mlp.gate.weight"
+    return layout
+
+
 class SafetensorsReader:
     """A Hugging Face safetensors folder through the :class:`~colossalai.checkpoint.SliceReader`
     interface (see ``[Note: a safetensors folder as a flat-slice checkpoint]``).
 
-    ``rename``: folder name -> model name (tied aliases, base-model prefix); ``drop``: folder names
-    not offered at all (ignored duplicates). ``read_keys`` / ``read_numel`` count what this rank
-    read, for tests and diagnostics.
+    ``layout``: the folder's own renames and stacked tensors (:class:`FolderLayout`, applied first);
+    ``rename``: (layout) name -> model name (tied aliases, base-model prefix); ``drop``: (layout)
+    names not offered at all (ignored duplicates). ``read_keys`` / ``read_numel`` count what this
+    rank read, for tests and diagnostics.
     """
 
-    def __init__(self, folder, *, piece_numel: int = 1 << 16, rename: dict[str, str] | None = None, drop=()) -> None:
+    def __init__(
+        self,
+        folder,
+        *,
+        piece_numel: int = 1 << 16,
+        rename: dict[str, str] | None = None,
+        drop=(),
+        layout: FolderLayout | None = None,
+    ) -> None:
         if piece_numel <= 0:
             raise ValueError(f"piece_numel must be positive, got {piece_numel}")
         self.folder = pathlib.Path(folder)
@@ -100,12 +179,21 @@ class SafetensorsReader:
         absent = sorted(n for n, f in files.items() if n not in headers[f])
         if absent:
             raise unreadable(self.folder / INDEX_NAME, "the safetensors index", KeyError(f"{absent[:8]} in no shard"))
-        rename = rename or {}
+        rename, layout = rename or {}, layout or FolderLayout()
+        self.files = files
+        self.layout = layout
         self.sources: dict[str, tuple[str, str, tuple[int, ...], torch.dtype]] = {}  # prefix -> file, name, ...
+        consumed = layout.consumed
         for name, f in files.items():
-            if name not in drop:
+            named = layout.rename.get(name, name)
+            if name not in consumed and named not in drop:
                 shape, dtype = headers[f][name]
-                self.sources[f"model/{rename.get(name, name)}"] = (f, name, shape, dtype)
+                self.sources[f"model/{rename.get(named, named)}"] = (f, name, shape, dtype)
+        for named, rows in layout.stacked.items():  # f None: rows of parts (_slice)
+            if named not in drop:
+                first = [headers[files[n]][n] for n in rows[0]]
+                shape = (len(rows), sum(s[0] for s, _ in first), *first[0][0][1:])
+                self.sources[f"model/{rename.get(named, named)}"] = (None, named, shape, first[0][1])
         self.metadata: dict[str, types.SimpleNamespace] = {}
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
         self._where: dict[str, tuple[str, int, int]] = {}  # key -> (prefix, first row, last row)
@@ -175,7 +263,16 @@ class SafetensorsReader:
                     offset += n
 
     def _slice(self, prefix: str, index: tuple) -> torch.Tensor:
-        f, name, _, _ = self.sources[prefix]
+        f, name, shape, _ = self.sources[prefix]
+        if f is None:  # stacked: read the rows asked for, part by part
+            rows = range(shape[0])[index[0]] if index else range(shape[0])
+            parts = self.layout.stacked[name]
+            whole = torch.stack([torch.cat([self._part(n, ()) for n in parts[r]]) for r in rows])
+            return whole[(slice(None), *index[1:])] if len(index) > 1 else whole
+        return self._part(name, index, f)
+
+    def _part(self, name: str, index: tuple, f: str | None = None) -> torch.Tensor:
+        f = f or self.files[name]
         try:
             with safe_open(str(self.folder / f), framework="pt") as handle:
                 sl = handle.get_slice(name)
@@ -255,9 +352,12 @@ def load_pretrained(folder, plugin, model: nn.Module, *, strict: bool = True) ->
 
         alias = aliases(user)
         expected = plugin.checkpoint_entries(model)
-        names = sorted(_files(folder))
-        rename, drop = _match_names(names, {k[len("model/") :] for k in expected}, user, alias)
-        reader = SafetensorsReader(folder, rename=rename, drop=drop)
+        files = _files(folder)
+        wanted = {k[len("model/") :] for k in expected}
+        headers = {n: h for f in sorted(set(files.values())) for n, h in _header(folder / f).items()}
+        layout = mixtral_layout(sorted(files), headers, wanted)
+        rename, drop = _match_names(layout.names(files), wanted, user, alias)
+        reader = SafetensorsReader(folder, rename=rename, drop=drop, layout=layout)
         found = compare_entries(reader.entries(), reader.held(), expected, with_optimizer=False)
         ignored_missing = set(_ignored(found.missing, _patterns(user, "_keys_to_ignore_on_load_missing")))
         ignored_unexpected = set(_ignored(found.unexpected, _patterns(user, "_keys_to_ignore_on_load_unexpected")))
@@ -270,8 +370,9 @@ def load_pretrained(folder, plugin, model: nn.Module, *, strict: bool = True) ->
             hint = "" if found.mismatched else "pass strict=False to load the tensors that match and get the lists back"
             raise CheckpointMismatchError(folder, found, hint)
         if found.unexpected or ignored_unexpected:  # not offered to the engines at all
-            gone = {reader.sources[k][1] for k in [*found.unexpected, *ignored_unexpected]}
-            reader = SafetensorsReader(folder, rename=rename, drop=drop | gone)
+            named = [reader.sources[k][1] for k in [*found.unexpected, *ignored_unexpected]]
+            gone = {layout.rename.get(n, n) for n in named}
+            reader = SafetensorsReader(folder, rename=rename, drop=drop | gone, layout=layout)
         reader.skip = set(found.missing) | ignored_missing
         plugin.load_checkpoint_pieces(model, None, reader)
     return found

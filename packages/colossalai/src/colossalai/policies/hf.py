@@ -19,6 +19,9 @@ sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
   model's own forward cut at block boundaries, with the user's ``attention_mask`` and position ids
   (:mod:`.hf_pipeline`). Composes with 1D tensor parallelism and data parallelism; not with
   sequence parallelism. Mixtral and other heads of these families raise ``NotImplementedError``.
+* **Expert parallel** (families with :attr:`HFPolicy.experts`, Mixtral): ``ep_size > 1`` replaces
+  each sparse-MoE block by one holding this rank's experts (:mod:`.hf_moe`), composed with dp and
+  1D tp by :mod:`colossalai.booster.hybrid.ep`.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class HFPolicy:
     pp_head: str = "lm_head"
     """The module the last stage ends with (the causal LM head); its absence means a model class
     the pipeline stages do not cover (a bare ``GPT2Model``, a classification head)."""
+    experts: str | None = None
+    """Regex: the sparse mixture-of-experts blocks that ``ep_size > 1`` splits (``None``: no experts)."""
 
     def check(self, model: nn.Module, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int) -> None:
         """Raise (``ValueError`` with the values, ``NotImplementedError`` with what is supported)
@@ -136,6 +141,30 @@ class HFPolicy:
 
     def convert_tp(self, model: nn.Module, group, mode: str) -> None:
         """Modules the ``Style`` plan cannot express (none for this family)."""
+
+    def expert_blocks(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Name -> sparse-MoE block that expert parallelism splits (empty without :attr:`experts`).
+        Raises ``NotImplementedError`` for a block not in the ``transformers`` 5.x layout."""
+        if self.experts is None:
+            return {}
+        import re
+
+        from colossalai.policies.hf_moe import is_mixtral_moe_block
+
+        found = {n: m for n, m in model.named_modules() if re.search(rf"(^|\.)({self.experts})$", n)}
+        bad = sorted(f"{n} ({type(m).__name__})" for n, m in found.items() if not is_mixtral_moe_block(m))
+        if bad:
+            raise NotImplementedError(
+                f"{self.model_type}: expert parallelism needs the transformers 5.x sparse-MoE layout (a router "
+                f"'gate' and stacked 'experts.gate_up_proj' / 'experts.down_proj'); not in it: {bad}"
+            )
+        return found
+
+    def split_experts(self, block: nn.Module, group) -> nn.Module:
+        """``block`` with only this rank's experts of ``group`` (:mod:`.hf_moe`)."""
+        from colossalai.policies.hf_moe import MixtralExpertParallelBlock
+
+        return MixtralExpertParallelBlock(block, group)
 
     def apply_sequence(self, model: nn.Module, inner: nn.Module, group, kind: str) -> nn.Module:
         """Make ``model`` sequence parallel over ``group`` in place; returns the module to run."""
@@ -236,6 +265,7 @@ HF_POLICIES: dict[str, HFPolicy] = {
         split_after=r"embed_tokens",
         gather_after=r"model\.norm|^norm",
         rotary=r"rotary_emb",
+        experts=r"layers\.\d+\.(mlp|block_sparse_moe)",  # transformers 5.x | 4.x (refused: not stacked)
     ),
     "bert": HFPolicy(
         model_type="bert",
@@ -263,10 +293,10 @@ HF_POLICIES: dict[str, HFPolicy] = {
   rotary embedding sees global positions), SwiGLU MLP (``gate_proj``/``up_proj`` column-,
   ``down_proj`` row-parallel); ``embed_tokens``/``lm_head`` replicated (tied or not). Pipeline:
   ``model.layers`` split into stages (``LlamaForCausalLM``).
-* ``mixtral``: Llama attention split the same way; the sparse-MoE experts and router are
-  replicated on every tp rank (each computes every expert for its replicated activations), not
-  expert-parallel (colossal-moe's ``ep_size`` applies to ``colossal.moe.MoE`` layers, not to
-  Mixtral's fused expert tensors).
+* ``mixtral``: Llama attention split the same way; the sparse-MoE router is replicated on every
+  rank and the experts are replicated on every tp rank, or, with ``ep_size > 1``, split over the
+  ``ep`` group (each ``layers.N.mlp`` becomes a :class:`~colossalai.policies.hf_moe.MixtralExpertParallelBlock`
+  that keeps Mixtral's routing and names; ``[Note: Mixtral's routing, kept exactly]``). No pipeline.
 * ``bert``: bidirectional attention (``query/key/value`` column-, ``attention.output.dense``
   row-, ``intermediate.dense`` column-, ``output.dense`` row-parallel); sequence parallel splits
   after ``embeddings`` and gathers after ``encoder``, keeping the padding mask. Pipeline:

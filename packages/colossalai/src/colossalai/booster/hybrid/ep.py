@@ -9,8 +9,10 @@ parallelism and pipeline parallelism:
    each run of ``E`` consecutive dp ranks shares out the experts (the ``ep`` group), the ranks
    ``E`` apart hold the same experts (the ``edp`` group, ``D / E`` ranks); dense parameters still
    reduce over all of ``dp`` (``colossal.moe.expert_groups`` on the dp group). Checked before any
-   group is made (:func:`check_ep`): ``E`` divides ``D``, the model has MoE layers, each layer's
-   expert count is divisible by ``E``.
+   group is made (:func:`check_ep`): ``E`` divides ``D``, the model has expert layers
+   (:func:`expert_layers`: ``colossal.moe.MoE``, or a Hugging Face Mixtral's sparse-MoE blocks,
+   which its policy replaces by :class:`~colossalai.policies.hf_moe.MixtralExpertParallelBlock`),
+   each layer's expert count is divisible by ``E``.
 2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
    every tp rank of a dp rank holds the same experts and routes the same tokens; sp and
    2D/2.5D/3D tp raise ``ValueError`` in the plugin's constructor) and before the pipeline cuts
@@ -39,6 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -47,17 +51,19 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossal.comm import all_gather, all_reduce
-from colossal.moe import ExpertGroups, MoE, expert_groups, moe_layers
+from colossal.moe import ExpertGroups, MoE, expert_groups
 from colossalai.booster.hybrid.pp import PipelineOptimizer
 from colossalai.booster.hybrid.shards import TensorParallelOptimizer, multiplicity
 
 __all__ = [
+    "ExpertLayer",
     "ExpertParallel",
     "ExpertParallelOptimizer",
     "ExpertPipelineOptimizer",
     "apply_expert_parallel",
     "check_ep",
     "expert_free_replicas",
+    "expert_layers",
 ]
 
 
@@ -69,6 +75,7 @@ class ExpertParallel:
     """``ep`` (experts split), ``edp`` (same experts), ``dp`` (dense gradients)."""
     dense_shapes: dict[str, torch.Size]
     """Expert parameter name -> its full shape over all experts (dim 0 = experts)."""
+    _mesh: object = None  # the ep group as a 1-D DeviceMesh (row templates), built on first use
 
     @property
     def expert_param_names(self) -> list[str]:
@@ -96,16 +103,28 @@ class ExpertParallel:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def to_portable(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of expert parameter ``name`` (gathered over ``ep``); others as they are."""
+    def to_portable(self, name: str, local: torch.Tensor, rows: bool = False) -> torch.Tensor:
+        """The full tensor of expert parameter ``name`` (gathered over ``ep``); others as they are.
+        ``rows``: instead, a ``DTensor`` ``Shard(0)`` over the ep group holding this rank's rows
+        (no communication; a template from which a checkpoint reader reads only this rank's experts)."""
         if name not in self.dense_shapes or self.groups.ep_size == 1:
             return local
+        if rows:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            if self._mesh is None:
+                self._mesh = DeviceMesh.from_group(self.groups.ep, local.device.type)
+            return DTensor.from_local(local.contiguous(), self._mesh, [Shard(0)], run_check=False)
         return all_gather(local.contiguous(), group=self.groups.ep, tag="hybrid_ep.state")
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's experts of a full tensor of ``name`` (others as they are)."""
+        """This rank's experts of a full tensor of ``name`` (others as they are), or the local rows
+        of a ``to_portable(..., rows=True)`` template."""
         if name not in self.dense_shapes:
             return full
+        if hasattr(full, "to_local") and hasattr(full, "placements"):  # a DTensor row template
+            return full.to_local()
         if tuple(full.shape) != tuple(self.dense_shapes[name]):
             raise ValueError(f"{name}: expected shape {tuple(self.dense_shapes[name])}, got {tuple(full.shape)}")
         per = full.shape[0] // self.groups.ep_size
@@ -136,44 +155,81 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def check_ep(model: nn.Module, ep_size: int, dp_size: int) -> dict[str, MoE]:
-    """The model's MoE layers, once ``ep_size`` is checked against them and against the
-    data-parallel size; raises ``ValueError`` naming the bad values. Local: no collective."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpertLayer:
+    """One layer expert parallelism can split: a ``colossal.moe.MoE``, or a Hugging Face sparse-MoE
+    block its family's policy splits (Mixtral, :mod:`colossalai.policies.hf_moe`). Its expert
+    parameters are those of its ``experts`` child, stacked along dim 0 (one row per expert)."""
+
+    module: nn.Module
+    """The layer holding every expert."""
+    num_experts: int
+    """Experts over all ranks."""
+    ep_size: int
+    """Ranks it is already split over (1: not split)."""
+    split: Callable[[ProcessGroup], nn.Module]
+    """``split(ep_group)``: a new layer holding only this rank's experts."""
+
+
+def expert_layers(model: nn.Module) -> dict[str, ExpertLayer]:
+    """Name -> :class:`ExpertLayer` of every layer of ``model`` that ``ep_size`` splits. Local."""
+    from colossalai.policies import hf_policy
+
+    layers = {
+        n: ExpertLayer(module=m, num_experts=m.config.num_experts, ep_size=m.ep_size, split=partial(MoE.from_dense, m))
+        for n, m in model.named_modules()
+        if isinstance(m, MoE)
+    }
+    policy = hf_policy(model)
+    if policy is not None:
+        for n, m in policy.expert_blocks(model).items():
+            num, ep = m.experts.num_experts, getattr(m, "ep_size", 1)
+            layers[n] = ExpertLayer(module=m, num_experts=num, ep_size=ep, split=partial(policy.split_experts, m))
+    return layers
+
+
+def check_ep(model: nn.Module, ep_size: int, dp_size: int) -> dict[str, ExpertLayer]:
+    """The model's expert layers (:func:`expert_layers`), once ``ep_size`` is checked against them
+    and against the data-parallel size; raises ``ValueError`` naming the bad values. Local: no collective."""
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1 or dp_size % ep_size:
         raise ValueError(f"ep_size={ep_size!r} must be a positive int dividing the data-parallel size {dp_size}")
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    layers = expert_layers(model)
     if not layers:
-        raise ValueError(f"ep_size={ep_size}: the model has no colossal.moe.MoE layer to split over experts")
+        raise ValueError(
+            f"ep_size={ep_size}: the model has no colossal.moe.MoE layer (nor Hugging Face Mixtral sparse-MoE "
+            f"block) to split over experts"
+        )
     for n, m in layers.items():
         if m.ep_size != 1:
             raise ValueError(f"{n} is already split over ep={m.ep_size}; build the model with all experts")
-        if m.config.num_experts % ep_size:
-            raise ValueError(f"{n}: num_experts={m.config.num_experts} is not divisible by ep_size={ep_size}")
+        if m.num_experts % ep_size:
+            raise ValueError(f"{n}: num_experts={m.num_experts} is not divisible by ep_size={ep_size}")
     return layers
 
 
 def apply_expert_parallel(
     model: nn.Module, ep_size: int, dp_group: ProcessGroup | None = None, ddp_root: nn.Module | None = None
 ) -> ExpertParallel:
-    """Split every ``colossal.moe.MoE`` of ``model`` over ``ep_size`` ranks, in place.
+    """Split every expert layer of ``model`` (:func:`expert_layers`) over ``ep_size`` ranks, in place.
 
-    Each layer must hold all its experts (built with no ``ep_group``); rank ``r`` of its ep group
-    keeps experts ``r * E/ep .. (r+1) * E/ep - 1`` (:meth:`MoE.from_dense`). Validates every layer
-    and the sizes before creating any group, identically on every rank (:func:`check_ep`). Marks
-    the expert parameters for DDP to ignore, under their names in ``ddp_root`` (the module DDP
-    will wrap, which contains ``model``; default ``model`` itself). Call on every rank of the world
-    (group creation is collective), each with its own ``dp_group`` (default: the world).
+    Each layer must hold all its experts (a ``MoE`` built with no ``ep_group``); rank ``r`` of its ep
+    group keeps experts ``r * E/ep .. (r+1) * E/ep - 1`` (:meth:`MoE.from_dense`, or the Hugging Face
+    policy's ``split_experts``). Validates every layer and the sizes before creating any group,
+    identically on every rank (:func:`check_ep`). Marks the expert parameters for DDP to ignore,
+    under their names in ``ddp_root`` (the module DDP will wrap, which contains ``model``; default
+    ``model`` itself). Call on every rank of the world (group creation is collective), each with
+    its own ``dp_group`` (default: the world).
     """
     layers = check_ep(model, ep_size, dist.get_world_size(dp_group))
     groups = expert_groups(ep_size, dp_group)
-    shapes = {f"{n}.experts.{p}": t.shape for n, m in layers.items() for p, t in m.experts.named_parameters()}
+    shapes = {f"{n}.experts.{p}": t.shape for n, m in layers.items() for p, t in m.module.experts.named_parameters()}
     for n, m in layers.items():
-        _replace(model, n, MoE.from_dense(m, groups.ep))
-    assert len(moe_layers(model)) == len(layers)
+        _replace(model, n, m.split(groups.ep))
+    ep = ExpertParallel(groups=groups, dense_shapes=shapes)
     root = model if ddp_root is None else ddp_root
-    experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
+    experts = {id(p) for p in ep.expert_parameters(model)}
     DDP._set_params_and_buffers_to_ignore_for_model(root, [n for n, p in root.named_parameters() if id(p) in experts])
-    return ExpertParallel(groups=groups, dense_shapes=shapes)
+    return ep
 
 
 class ExpertParallelOptimizer(TensorParallelOptimizer):
@@ -184,7 +240,7 @@ class ExpertParallelOptimizer(TensorParallelOptimizer):
     are replicated on the tp ranks, split over ep). fp16's overflow check spans every rank."""
 
     def __init__(self, optimizer, model: nn.Module, ep: ExpertParallel, replicas, group, group_size: int, scaler=None):
-        experts = {id(p) for layer in moe_layers(model) for p in layer.experts.parameters()}
+        experts = {id(p) for p in ep.expert_parameters(model)}
         super().__init__(optimizer, [(p, m) for p, m in replicas if id(p) not in experts], group, group_size, scaler)
         self.experts = [p for p in model.parameters() if id(p) in experts]
         self.ep, self.model, self._reduced = ep, model, False

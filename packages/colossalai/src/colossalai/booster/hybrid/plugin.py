@@ -107,7 +107,8 @@ class HybridParallelPlugin(Plugin):
     ``colossal.zero`` instead of DDP. Precision: fp32, bf16, and fp16 with a
     ``colossal.optim.DynamicLossScaler`` whose overflow check is agreed over the tp (or sp) group.
     ``HybridParallelPlugin(tp_size=1, ep_size=2)`` (or ``tp_size=2``, 1D): expert parallelism for a model with
-    ``colossal.moe.MoE`` layers (e.g. ``build_moe_gpt``): the dp axis is split into ``edp x ep``
+    ``colossal.moe.MoE`` layers (e.g. ``build_moe_gpt``) or a Hugging Face Mixtral (its
+    sparse-MoE blocks keep Mixtral's routing; :mod:`colossalai.policies.hf_moe`): the dp axis is split into ``edp x ep``
     (``ep`` consecutive ranks share out each layer's experts; ``[Note: expert parallelism in the
     hybrid plugin]`` in :mod:`colossalai.booster.hybrid.ep`), dense parameters reduce over dp with
     DDP, expert gradients over ``edp`` before ``step``; checkpoints hold every expert under its
@@ -165,6 +166,7 @@ class HybridParallelPlugin(Plugin):
         parallelism]`` in :mod:`.plans`); ``None``: the built-in plan of the model's family."""
         self.ep_size = ep_size
         self._ep: ExpertParallel | None = None  # what apply_expert_parallel did (ep_size > 1)
+        self._ep_rows = False  # load_checkpoint_pieces: expert templates are this rank's rows
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
         self.num_microbatches = num_microbatches or pp_size
@@ -400,7 +402,7 @@ class HybridParallelPlugin(Plugin):
         """1D: a tp DTensor; 2D/2.5D/3D: the gathered dense tensor; sequence parallel: as is;
         an expert parameter (ep): gathered over ``ep`` to every expert."""
         if self._ep is not None and name in self._ep.dense_shapes:
-            return self._ep.to_portable(name, local)
+            return self._ep.to_portable(name, local, rows=self._ep_rows)
         if self._shards is not None:
             return self._shards.gather(name, local)
         if self.tp_size == 1 and self.sp_size > 1:  # replicated
@@ -416,6 +418,15 @@ class HybridParallelPlugin(Plugin):
         if isinstance(state, DTensor):
             return state.to_local()
         return self._shards.split(name, state) if self._shards is not None else state
+
+    def load_checkpoint_pieces(self, model: nn.Module, optimizer, reader) -> None:
+        """As every plugin, with expert tensors templated as this rank's rows over ``ep`` (a
+        ``DTensor`` ``Shard(0)``), so each rank reads only its own experts' pieces."""
+        self._ep_rows = self._ep is not None
+        try:
+            super().load_checkpoint_pieces(model, optimizer, reader)
+        finally:
+            self._ep_rows = False
 
     def model_state_dict(self, model: nn.Module) -> dict:
         """Parameters under their dense names with their dense logical shapes (buffers as they are)."""
