@@ -274,7 +274,7 @@ def zero_infinity_config(args: argparse.Namespace, largest: int, nvme: str) -> d
         "aio": {
             "block_size": 1 << 20,
             "queue_depth": 8,
-            "thread_count": 1,
+            "thread_count": args.io_threads,  # as many I/O threads as ours
             "single_submit": False,
             "overlap_events": True,
         },
@@ -292,6 +292,8 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     torch.set_num_threads(args.threads)  # deepspeed's import may have changed it
+    # One rank: DeepSpeed's shared-memory all-reduce op is never used, so do not JIT-build it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     ram = mem_total()
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     cfg, layers, width = model_config(args, init="torch")
@@ -365,7 +367,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
         hwm=vm_hwm(),
         disk_file_gb=disk_bytes / 1e9,
         detail=f"deepspeed {deepspeed.__version__}, sub_group {ds_cfg['zero_optimization']['sub_group_size']:.3g}, "
-        f"{args.ds_buffers} param buffers of {ds_cfg['zero_optimization']['offload_param']['buffer_size']:.3g}",
+        f"{args.ds_buffers} param buffers of {ds_cfg['zero_optimization']['offload_param'].get('buffer_size', 0):.3g}",
     )
 
 
@@ -385,7 +387,8 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         cmd = [pythons[name], here, *sys.argv[1:], "--row", name, "--dir", sub, "--floor-bps", f"{fw},{fr}"]
         print(f"\n== row {name}: {' '.join(cmd)} (load {os.getloadavg()})", flush=True)
         t = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # DeepSpeed's CPU Adam uses OpenMP
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         result = None
         for line in proc.stdout:
             if line.startswith("RESULT "):
