@@ -18,8 +18,24 @@ Validate small first, then run the big one once::
 Every step trains on the same random batch, so the loss falls by memorisation: it shows that the
 update is applied through the disk round trip (not a claim about generalisation).
 
-DeepSpeed ZeRO-Infinity (the NVMe offload it is compared with in the issue) is not run here: see
-the package README for what failed.
+Side by side with DeepSpeed ZeRO-Infinity (``--peer zero-infinity``): the script measures the raw
+floor once, then trains the same model (same shape, sequence, batch, fp32, initialisation law, Adam
+hyper-parameters, torch threads) in a fresh process per row: ``ours`` (the disk tier as above) and
+``zero-infinity`` (DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on ``nvme`` under
+``--dir``, its async I/O op on ``libaio``, ``DeepSpeedCPUAdam``, the model built under
+``deepspeed.zero.Init(remote_device="nvme")`` so no full copy exists in RAM either). Every row reports
+s/step, peak RSS (VmHWM), the bytes the process really read from and wrote to the block device per
+step (``/proc/self/io``, the same meter for both rows) and the loss by step; the table ends with the
+throughput ratio ours / ZeRO-Infinity (their s/step over ours, after the warm-up step)::
+
+    /work/venv-ds/bin/python packages/colossal-gemini/bench/bench_disk.py --params 0.5e9 \\
+        --dir /work/scratch --steps 3 --peer zero-infinity
+
+The DeepSpeed row needs ``deepspeed`` (``bench/requirements.txt``) and ``libaio-dev``; it runs on the
+CPU accelerator (``DS_ACCELERATOR=cpu`` is set for it unless CUDA is present) with a one-rank
+``gloo`` group. Its NVMe settings are the documented ones scaled to the model so that parameters
+really stream from disk (``max_in_cpu`` 1, eight parameter buffers of the largest parameter,
+``sub_group_size`` = max(2e7, largest parameter)); ``--ds-*`` options change them.
 """
 
 from __future__ import annotations
@@ -31,6 +47,8 @@ import mmap
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import time
 
 import torch
@@ -104,35 +122,41 @@ def init_fn(name: str, t: torch.Tensor) -> None:
             t.zero_()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=float, default=2.05e9, help="parameters of the GPT (about)")
-    ap.add_argument("--dir", required=True, help="directory of the disk tier (and the floor measurement)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--device-gib", type=float, default=2.5, help="accounted device budget (CPU: part of RAM)")
-    ap.add_argument("--host-gib", type=float, default=4.0, help="host_memory_budget")
-    ap.add_argument("--floor-gib", type=float, default=4.0, help="bytes of the raw O_DIRECT floor measurement")
-    ap.add_argument("--chunk-mib", type=float, default=0, help="chunk size in MiB of fp32 (0: searched)")
-    ap.add_argument("--io-threads", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process has caused the block layer to fetch/send (/proc/self/io)."""
+    vals = {}
+    for line in open("/proc/self/io"):
+        k, v = line.split(":")
+        vals[k] = int(v)
+    return vals["read_bytes"], vals["write_bytes"]
 
-    ram = mem_total()
-    os.makedirs(args.dir, exist_ok=True)
-    free0 = shutil.disk_usage(args.dir).free
-    print(f"machine: RAM {ram / GIB:.1f} GiB, {os.cpu_count()} cores, load {os.getloadavg()}, free on {args.dir} "
-          f"{free0 / 1e9:.1f} GB, torch threads {torch.get_num_threads()}", flush=True)  # fmt: skip
-    fw, fr = raw_floor(args.dir, int(args.floor_gib * GIB))
-    print(f"raw O_DIRECT floor: write {fw / 1e9:.2f} GB/s, read {fr / 1e9:.2f} GB/s", flush=True)
 
+def model_config(args: argparse.Namespace, init: str = "gpt2") -> tuple[GPTConfig, int, int]:
+    """The benchmark GPT's config for ``--params`` (the same for every row)."""
     layers, width = shape_for(args.params, args.vocab)
     cfg = GPTConfig(
-        vocab_size=args.vocab, block_size=args.seq, n_embd=width, n_layer=layers, n_head=max(1, width // 128)
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_embd=width,
+        n_layer=layers,
+        n_head=max(1, width // 128),
+        init=init,
     )
+    return cfg, layers, width
+
+
+def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one fixed random batch every row trains on."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+    y = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+    return x, y
+
+
+def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
+    """Train with Gemini's disk tier; per-step rows and a summary dict."""
+    ram = mem_total()
+    cfg, layers, width = model_config(args)
     with torch.device("meta"):
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -157,15 +181,15 @@ def main() -> None:
     )
     m = gem.manager
     disk = m.disk
-    print(f"setup {time.perf_counter() - t0:.1f} s: {len(m.chunks)} chunks of {m.chunk_size} elements, disk file "
+    setup_s = time.perf_counter() - t0
+    print(f"setup {setup_s:.1f} s: {len(m.chunks)} chunks of {m.chunk_size} elements, disk file "
           f"{disk.size / 1e9:.1f} GB (O_DIRECT {disk.direct}), blocks on disk {sum(bool(c.on_disk) for c in m.chunks)}, "
           f"RSS peak {vm_hwm() / GIB:.2f} GiB", flush=True)  # fmt: skip
 
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
-    y = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+    x, y = batch(args)
     rows = []
     for step in range(args.steps):
+        io0 = proc_io()
         t = time.perf_counter()
         loss = lm_loss(gem(x), y)
         opt.backward(loss)
@@ -174,6 +198,7 @@ def main() -> None:
         opt.step()
         t1 = time.perf_counter()
         r1, w1, _ = disk.counters()
+        io1 = proc_io()
         s = gem.stats
         opt_s = t1 - ts
         floor_s = (r1 - r0) / fr + (w1 - w0) / fw
@@ -185,6 +210,8 @@ def main() -> None:
             optim_s=opt_s,
             disk_read_gb=s.disk_bytes_read / 1e9,
             disk_written_gb=s.disk_bytes_written / 1e9,
+            io_read_gb=(io1[0] - io0[0]) / 1e9,
+            io_written_gb=(io1[1] - io0[1]) / 1e9,
             io_wait_s=s.disk_wait_seconds,
             optim_disk_gbps=((r1 - r0) + (w1 - w0)) / opt_s / 1e9,
             optim_floor_frac=floor_s / opt_s,
@@ -193,8 +220,268 @@ def main() -> None:
         )
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    disk_size = disk.size
+    disk.close()
+    return dict(
+        row="ours",
+        n_params=n_params,
+        layers=layers,
+        width=width,
+        setup_s=setup_s,
+        rows=rows,
+        hwm=vm_hwm(),
+        disk_file_gb=disk_size / 1e9,
+        detail=f"{len(m.chunks)} chunks of {m.chunk_size / 1e6:.1f} M elements, device {args.device_gib} GiB "
+        f"(accounted), host {args.host_gib} GiB",
+    )
 
-    hwm = vm_hwm()
+
+def zero_infinity_config(args: argparse.Namespace, largest: int, nvme: str) -> dict:
+    """DeepSpeed ZeRO-3 config with parameters and optimizer states on NVMe (fp32, one rank, batch 1)."""
+    buf = max(int(args.ds_buffer_size), largest)
+    return {
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {
+            "stage": 3,
+            "contiguous_gradients": True,
+            "overlap_comm": False,
+            "sub_group_size": max(int(args.ds_sub_group), largest),
+            "stage3_max_live_parameters": max(int(args.ds_max_live), 2 * largest),
+            "stage3_prefetch_bucket_size": max(int(args.ds_prefetch), largest),
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": False,
+                "buffer_count": args.ds_buffers,
+                "buffer_size": buf,
+                "max_in_cpu": 1,
+            },
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": False,
+                "buffer_count": 4,
+                "pipeline_read": False,
+                "pipeline_write": False,
+            },
+        },
+        "aio": {
+            "block_size": 1 << 20,
+            "queue_depth": 8,
+            "thread_count": args.io_threads,  # as many I/O threads as ours
+            "single_submit": False,
+            "overlap_events": True,
+        },
+    }
+
+
+def run_zero_infinity(args: argparse.Namespace) -> dict:
+    """Train the same GPT with DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # fmt: skip
+        os.environ.setdefault(k, v)
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    torch.set_num_threads(args.threads)  # deepspeed's import may have changed it
+    # One rank: DeepSpeed's shared-memory all-reduce op is never used, so do not JIT-build it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ram = mem_total()
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    cfg, layers, width = model_config(args, init="torch")
+    with torch.device("meta"):
+        shapes = GPT(cfg)
+    n_params = sum(p.numel() for p in shapes.parameters())
+    largest = max(p.numel() for p in shapes.parameters())
+    del shapes
+    states = 16 * n_params
+    print(f"GPT: {layers} layers x {width}, vocab {args.vocab}, seq {args.seq}: {n_params / 1e9:.3f}B parameters, "
+          f"model states {states / GIB:.1f} GiB = {states / ram:.2f}x RAM; largest parameter {largest / 1e6:.1f} M",
+          flush=True)  # fmt: skip
+    nvme = os.path.join(args.dir, "zero-infinity")
+    os.makedirs(nvme, exist_ok=True)
+    ds_cfg = zero_infinity_config(args, largest, nvme)
+    print("deepspeed config:", json.dumps(ds_cfg["zero_optimization"]), flush=True)
+
+    # The same initialisation law as ``init_fn`` (N(0, 0.02) matrices, unit LayerNorm scales, zero
+    # biases), applied by each module's own reset_parameters before zero.Init partitions it.
+    def linear_reset(self: torch.nn.Linear) -> None:
+        torch.nn.init.normal_(self.weight, 0.0, 0.02)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+
+    def embedding_reset(self: torch.nn.Embedding) -> None:
+        torch.nn.init.normal_(self.weight, 0.0, 0.02)
+
+    torch.nn.Linear.reset_parameters = linear_reset  # this process only runs this row
+    torch.nn.Embedding.reset_parameters = embedding_reset
+
+    t0 = time.perf_counter()
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg, remote_device="nvme", pin_memory=False):
+        model = GPT(cfg)
+    opt = DeepSpeedCPUAdam(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                           adamw_mode=True)  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+    setup_s = time.perf_counter() - t0
+    print(f"setup {setup_s:.1f} s, RSS peak {vm_hwm() / GIB:.2f} GiB", flush=True)
+
+    x, y = batch(args)
+    rows = []
+    for step in range(args.steps):
+        io0 = proc_io()
+        t = time.perf_counter()
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        ts = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        io1 = proc_io()
+        row = dict(
+            step=step,
+            loss=loss.item(),
+            step_s=t1 - t,
+            fwd_bwd_s=ts - t,
+            optim_s=t1 - ts,
+            io_read_gb=(io1[0] - io0[0]) / 1e9,
+            io_written_gb=(io1[1] - io0[1]) / 1e9,
+            rss_peak_gib=vm_hwm() / GIB,
+        )
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    disk_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(nvme) for f in fs)
+    return dict(
+        row="zero-infinity",
+        n_params=n_params,
+        layers=layers,
+        width=width,
+        setup_s=setup_s,
+        rows=rows,
+        hwm=vm_hwm(),
+        disk_file_gb=disk_bytes / 1e9,
+        detail=f"deepspeed {deepspeed.__version__}, sub_group {ds_cfg['zero_optimization']['sub_group_size']:.3g}, "
+        f"{args.ds_buffers} param buffers of {ds_cfg['zero_optimization']['offload_param'].get('buffer_size', 0):.3g}",
+    )
+
+
+def steady(rows: list[dict]) -> list[dict]:
+    """The steps after the warm-up step (all of them if there is only one)."""
+    return rows[1:] or rows
+
+
+def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
+    """Run each row in a fresh process and print the comparison table with the throughput ratio."""
+    here = os.path.abspath(__file__)
+    pythons = {"ours": sys.executable, "zero-infinity": args.ds_python or sys.executable}
+    results = {}
+    for name in ("ours", args.peer):
+        sub = os.path.join(args.dir, f"row-{name}")
+        os.makedirs(sub, exist_ok=True)
+        cmd = [pythons[name], here, *sys.argv[1:], "--row", name, "--dir", sub, "--floor-bps", f"{fw},{fr}"]
+        print(f"\n== row {name}: {' '.join(cmd)} (load {os.getloadavg()})", flush=True)
+        t = time.perf_counter()
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # DeepSpeed's CPU Adam uses OpenMP
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        result = None
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                result = json.loads(line[7:])
+            else:
+                print(f"[{name}] {line}", end="", flush=True)
+        rc = proc.wait()
+        shutil.rmtree(sub, ignore_errors=True)
+        print(f"== row {name}: exit {rc} after {time.perf_counter() - t:.0f} s (load {os.getloadavg()})", flush=True)
+        if result is None:
+            result = dict(row=name, failed=f"exit status {rc}, no result (see the [{name}] lines above)")
+        results[name] = result
+
+    ram = mem_total()
+    print(f"\n| quantity | ours (Gemini disk tier) | {args.peer} |\n|---|---|---|")
+
+    def cell(r: dict, f) -> str:
+        return r["failed"] if "failed" in r else f(r)
+
+    ours, peer = results["ours"], results[args.peer]
+    table = [
+        ("parameters", lambda r: f"{r['n_params'] / 1e9:.3f} B ({r['layers']} x {r['width']}, vocab {args.vocab}, seq {args.seq}); "
+         f"states {16 * r['n_params'] / GIB:.1f} GiB = {16 * r['n_params'] / ram:.2f}x RAM"),
+        ("configuration", lambda r: r["detail"]),
+        ("setup", lambda r: f"{r['setup_s']:.0f} s"),
+        ("loss by step", lambda r: " -> ".join(f"{x['loss']:.3f}" for x in r["rows"])),
+        ("s/step (steps after the first)", lambda r: ", ".join(f"{x['step_s']:.1f}" for x in steady(r["rows"])) +
+         f" (first {r['rows'][0]['step_s']:.1f})"),
+        ("forward+backward / optimizer (last step)", lambda r: f"{r['rows'][-1]['fwd_bwd_s']:.1f} s / {r['rows'][-1]['optim_s']:.1f} s"),
+        ("peak RSS (VmHWM) / RAM", lambda r: f"{r['hwm'] / GIB:.2f} GiB = {r['hwm'] / ram:.2f}x"),
+        ("disk files", lambda r: f"{r['disk_file_gb']:.1f} GB"),
+        ("block-device bytes per step (last, /proc/self/io)", lambda r: f"read {r['rows'][-1]['io_read_gb']:.1f} GB, "
+         f"written {r['rows'][-1]['io_written_gb']:.1f} GB"),
+    ]  # fmt: skip
+    for k, f in table:
+        print(f"| {k} | {cell(ours, f)} | {cell(peer, f)} |")
+    print(f"| raw O_DIRECT floor (same run) | write {fw / 1e9:.2f} GB/s, read {fr / 1e9:.2f} GB/s | |")
+    if "failed" not in ours and "failed" not in peer:
+        a = sum(x["step_s"] for x in steady(ours["rows"])) / len(steady(ours["rows"]))
+        b = sum(x["step_s"] for x in steady(peer["rows"])) / len(steady(peer["rows"]))
+        print(
+            f"| **throughput ours / {args.peer}** | **{b / a:.2f}x** ({a:.1f} vs {b:.1f} s/step, mean after the first step) | |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=2.05e9, help="parameters of the GPT (about)")
+    ap.add_argument("--dir", required=True, help="directory of the disk tier (and the floor measurement)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--device-gib", type=float, default=2.5, help="accounted device budget (CPU: part of RAM)")
+    ap.add_argument("--host-gib", type=float, default=4.0, help="host_memory_budget")
+    ap.add_argument("--floor-gib", type=float, default=4.0, help="bytes of the raw O_DIRECT floor measurement")
+    ap.add_argument("--chunk-mib", type=float, default=0, help="chunk size in MiB of fp32 (0: searched)")
+    ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--peer", choices=("zero-infinity",), default=None,
+                    help="also run DeepSpeed ZeRO-Infinity on the same model, each row in a fresh process")  # fmt: skip
+    ap.add_argument("--ds-python", default=None, help="python of the venv with deepspeed (default: this one)")
+    ap.add_argument("--ds-buffers", type=int, default=8, help="offload_param.buffer_count")
+    ap.add_argument("--ds-buffer-size", type=float, default=1.1e7, help="offload_param.buffer_size (>= largest param)")
+    ap.add_argument("--ds-max-live", type=float, default=2e7, help="stage3_max_live_parameters (>= 2x largest)")
+    ap.add_argument("--ds-prefetch", type=float, default=1e7, help="stage3_prefetch_bucket_size (>= largest)")
+    ap.add_argument("--ds-sub-group", type=float, default=2e7, help="sub_group_size (>= largest)")
+    ap.add_argument("--row", choices=("ours", "zero-infinity"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--floor-bps", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    if args.row is not None:  # one row of a side-by-side run, in its own process
+        fw, fr = map(float, args.floor_bps.split(","))
+        result = run_ours(args, fw, fr) if args.row == "ours" else run_zero_infinity(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    ram = mem_total()
+    os.makedirs(args.dir, exist_ok=True)
+    free0 = shutil.disk_usage(args.dir).free
+    print(f"machine: RAM {ram / GIB:.1f} GiB, {os.cpu_count()} cores, load {os.getloadavg()}, free on {args.dir} "
+          f"{free0 / 1e9:.1f} GB, torch threads {torch.get_num_threads()}", flush=True)  # fmt: skip
+    fw, fr = raw_floor(args.dir, int(args.floor_gib * GIB))
+    print(f"raw O_DIRECT floor: write {fw / 1e9:.2f} GB/s, read {fr / 1e9:.2f} GB/s", flush=True)
+    if args.peer:
+        side_by_side(args, fw, fr)
+        return
+
+    res = run_ours(args, fw, fr)
+    rows, n_params, layers, width = res["rows"], res["n_params"], res["layers"], res["width"]
+    states = 16 * n_params
+    hwm = res["hwm"]
     last = rows[-1]
     print("\n| quantity | value |\n|---|---|")
     table = [
@@ -212,7 +499,6 @@ def main() -> None:
     ]  # fmt: skip
     for k, v in table:
         print(f"| {k} | {v} |")
-    disk.close()
     print(f"\nfree on {args.dir} after: {shutil.disk_usage(args.dir).free / 1e9:.1f} GB", flush=True)
 
 
