@@ -48,6 +48,8 @@ BAD_TRAIN = [
     (["--log-every", "0"], "--log-every must be >= 1, got 0"),
     (["--sample-tokens", "-3"], "--sample-tokens must be >= 0, got -3"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--sample-temperature", "-0.5"], "--sample-temperature must be a finite number >= 0 (0: greedy), got -0.5"),
+    (["--sample-top-k", "-1"], "--sample-top-k must be >= 0 (0: all), got -1"),
     (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     ([*HYBRID, "--ep-size", "2", "--nproc", "2"], "--ep-size 2 needs a model with experts (--model moe-gpt)"),

@@ -13,6 +13,14 @@ def test_corpus_is_deterministic_python_source():
     assert "def " in decode(a[:20_000])
 
 
+def test_corpus_leaves_out_the_generated_build_configuration(tmp_path):
+    """``_sysconfigdata_*.py`` (one dict of compiler flags, different on every build) is not code."""
+    (tmp_path / "_sysconfigdata__linux_x86_64-linux-gnu.py").write_text("build_time_vars = {'CC': 'gcc'}\n")
+    (tmp_path / "abc.py").write_text("def f():\n    return 1\n")
+    assert [p.name for p in stdlib_files(tmp_path)] == ["abc.py"]
+    assert decode(load_corpus(1_000, tmp_path)) == "def f():\n    return 1\n\n\n"
+
+
 def test_windows_are_shifted_pairs():
     ds = TokenWindows(torch.arange(0, 100) % 256, 10)
     assert len(ds) == 9

@@ -18,7 +18,7 @@ from colossalai.booster.registry import make_plugin
 from colossalai.cli import headline
 from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
-from colossalai.cli.train_args import parse_bytes, seq_len_of
+from colossalai.cli.train_args import SAMPLE_TEMPERATURE, SAMPLE_TOP_K, parse_bytes, seq_len_of
 from colossalai.data import corpus_dataset, decode, encode
 from colossalai.models import model_family
 
@@ -248,13 +248,23 @@ def _padded_forward(model, multiple: int, block_size: int):
     return forward
 
 
-def _sample(model, n_tokens: int, seed: int, rows: int = 1, seq_multiple: int = 1) -> str:
+def _sample(
+    model,
+    n_tokens: int,
+    seed: int,
+    rows: int = 1,
+    seq_multiple: int = 1,
+    *,
+    temperature: float = SAMPLE_TEMPERATURE,
+    top_k: int = SAMPLE_TOP_K,
+) -> str:
     """A sampled continuation of a Python prompt through the boosted model (full logits on every
     rank; the same seed everywhere keeps the ranks in step, which sharded models need).
 
     ``rows`` copies of the prompt are sampled and the first is returned: 2D/2.5D/3D tensor
     parallelism splits the batch over the grid, so it needs a batch divisible by it; sequence
-    parallelism needs windows whose length is a multiple of ``seq_multiple``.
+    parallelism needs windows whose length is a multiple of ``seq_multiple``. ``temperature`` 0
+    is greedy decoding, ``top_k`` 0 samples from every byte.
     """
     gpt = model.unwrap()
     gpt.eval()
@@ -262,7 +272,8 @@ def _sample(model, n_tokens: int, seed: int, rows: int = 1, seq_multiple: int = 
     gen = torch.Generator().manual_seed(seed)
     forward = _padded_forward(model, seq_multiple, gpt.config.block_size) if seq_multiple > 1 else model
     with torch.no_grad():
-        out = gpt.generate(prompt, n_tokens, temperature=0.8, top_k=20, generator=gen, forward=forward)
+        top_k = top_k or None  # 0: every byte
+        out = gpt.generate(prompt, n_tokens, temperature=temperature, top_k=top_k, generator=gen, forward=forward)
     gpt.train()
     return decode(out[0].cpu())
 
@@ -300,7 +311,11 @@ def train(args: argparse.Namespace) -> dict:
     tp = getattr(booster.plugin, "tp_size", 1)  # a batch divisible by every TP grid's batch split
     sp = getattr(booster.plugin, "sp_size", 1)
     pp = getattr(booster.plugin, "pp_size", 1)  # no single forward to sample with under pp
-    sample = _sample(model, args.sample_tokens, args.seed, tp, sp) if args.sample_tokens > 0 and pp == 1 else ""
+    sample = ""
+    if args.sample_tokens > 0 and pp == 1:
+        sample = _sample(
+            model, args.sample_tokens, args.seed, tp, sp, temperature=args.sample_temperature, top_k=args.sample_top_k
+        )
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
         "model": f"{_model_name(args)}: {model.unwrap().config.num_parameters():,} parameters",

@@ -7,7 +7,7 @@ import argparse
 from colossalai.booster.registry import PLUGINS
 from colossalai.models import MODELS
 
-__all__ = ["add_train_arguments", "STEPS", "SEQ_LEN", "seq_len_of"]
+__all__ = ["add_train_arguments", "STEPS", "SEQ_LEN", "SAMPLE_TEMPERATURE", "SAMPLE_TOP_K", "seq_len_of"]
 
 STEPS = 1200
 """Default optimizer steps: enough for the default GPT (mini, Gemini, batch 8 x 64 tokens, peak rate
@@ -17,6 +17,17 @@ SEQ_LEN = 64
 """Default tokens per sequence (or the preset's block size when smaller). For the CPU-sized presets
 short windows learn faster per token than long ones: at the same tokens per step, 8 x 64 reached
 a loss of 2.19 after 400 steps where 4 x 128 was at 2.38."""
+
+
+SAMPLE_TEMPERATURE = 0.6
+"""Default temperature of the sample at the end. After the default run (loss ~1.5-1.8) a byte model
+at 0.8 / top-k 20 still breaks most names; at 0.6 / top-k 10 its lines read as Python
+(``self.__infineg_name_conded(self, rames)``). A lower temperature has a cost: at an indent a space
+is the likeliest byte, so the sample may end in a long run of spaces (64-byte context); at 1.0 /
+top-k 3 it drifted into docstring prose instead."""
+
+SAMPLE_TOP_K = 10
+"""Default top-k of the sample at the end: bytes outside the model's ten likeliest are never drawn."""
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +59,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--corpus-bytes",
         type=int,
         default=600_000,
-        help="bytes of the embedded corpus to use (default 600000: the default run sees it about 1.3 times)",
+        help="bytes of the embedded corpus to use (default 600000: the default run sees it about once)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -91,6 +102,18 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", default="auto", choices=["auto", "rich", "plain"], help="progress display")
     p.add_argument("--log-every", type=int, default=10, help="plain progress: print every N steps")
     p.add_argument("--sample-tokens", type=int, default=300, help="length of the generated sample at the end")
+    p.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=SAMPLE_TEMPERATURE,
+        help=f"sampling temperature of the sample (default {SAMPLE_TEMPERATURE}; 0: greedy)",
+    )
+    p.add_argument(
+        "--sample-top-k",
+        type=int,
+        default=SAMPLE_TOP_K,
+        help=f"sample among the k likeliest bytes only (default {SAMPLE_TOP_K}; 0: all)",
+    )
 
 
 def seq_len_of(args: argparse.Namespace, block_size: int) -> int:

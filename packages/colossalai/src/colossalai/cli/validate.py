@@ -76,6 +76,11 @@ def _check_ranges(args: argparse.Namespace) -> None:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (math.isfinite(args.sample_temperature) and args.sample_temperature >= 0):
+        got = args.sample_temperature
+        raise UsageError(f"--sample-temperature must be a finite number >= 0 (0: greedy), got {got}")
+    if args.sample_top_k < 0:
+        raise UsageError(f"--sample-top-k must be >= 0 (0: all), got {args.sample_top_k}")
     if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
         raise UsageError(f"--grad-clip must be a finite number >= 0 (0: off), got {args.grad_clip}")
 

@@ -21,19 +21,22 @@ VOCAB_SIZE = 256
 """Byte-level vocabulary: token id == byte value."""
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+_SKIP_PREFIXES = ("_sysconfigdata",)
+"""Generated modules: ``_sysconfigdata_<abi>_<platform>.py`` is one dict of this build's compiler
+flags and paths (36 KB of it on Linux), not code, and differs from build to build."""
 
 
 def stdlib_files(root: str | pathlib.Path | None = None) -> Iterator[pathlib.Path]:
-    """The ``.py`` files of the standard library (tests and third-party packages excluded), in a
-    fixed order: a top-down walk with directory and file names sorted. Lazy, so that reading a
-    prefix of the corpus never lists the whole tree."""
+    """The ``.py`` files of the standard library (tests, third-party packages and the generated
+    build configuration excluded), in a fixed order: a top-down walk with directory and file names
+    sorted. Lazy, so that reading a prefix of the corpus never lists the whole tree."""
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise ValueError(f"standard library directory {str(root)!r} does not exist")
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in sorted(filenames):
-            if name.endswith(".py"):
+            if name.endswith(".py") and not name.startswith(_SKIP_PREFIXES):
                 yield pathlib.Path(dirpath, name)
 
 
