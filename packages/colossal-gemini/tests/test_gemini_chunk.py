@@ -13,7 +13,7 @@ LEGAL = {
     (S.HOLD, S.FREE), (S.HOLD, S.COMPUTE), (S.HOLD, S.READY_FOR_REDUCE),
     (S.COMPUTE, S.HOLD), (S.COMPUTE, S.HOLD_AFTER_BWD), (S.COMPUTE, S.READY_FOR_REDUCE),
     (S.HOLD_AFTER_BWD, S.COMPUTE), (S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE),
-    (S.READY_FOR_REDUCE, S.HOLD), (S.READY_FOR_REDUCE, S.FREE),
+    (S.READY_FOR_REDUCE, S.HOLD), (S.READY_FOR_REDUCE, S.FREE), (S.READY_FOR_REDUCE, S.COMPUTE),
 }  # fmt: skip
 
 
@@ -47,6 +47,22 @@ def test_every_transition_is_checked(src, dst):
     else:
         with pytest.raises(IllegalTransitionError, match=f"from {src.name} to {dst.name}"):
             chunk.transition(info, dst)
+
+
+def test_nested_users_keep_a_tensor_computing_until_the_last_leaves():
+    """A parent and its child sharing a parameter: the tensor stays COMPUTE (its chunk in use) until both left."""
+    chunk = _chunk((4,))
+    info = chunk.tensors[0]
+    info.state = S.HOLD
+    chunk.enter(info)  # the parent
+    chunk.enter(info)  # its child
+    assert (info.state, info.users) == (S.COMPUTE, 2)
+    chunk.leave(info, S.HOLD)
+    assert info.state is S.COMPUTE and chunk.in_use
+    chunk.leave(info, S.HOLD)
+    assert (info.state, info.users) == (S.HOLD, 0) and not chunk.in_use
+    with pytest.raises(IllegalTransitionError, match="left by an operator while HOLD with 0 users"):
+        chunk.leave(info, S.HOLD)
 
 
 def test_chunk_cannot_be_released_while_a_tensor_computes():

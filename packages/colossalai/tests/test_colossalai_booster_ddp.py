@@ -36,6 +36,43 @@ def test_meta_model_is_materialised_and_optimizer_rebound():
     assert not any(p.is_meta for p in model.parameters())
 
 
+class _Tied(torch.nn.Module):
+    """A user's own model with tied input/output embeddings and a tied buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(12, 6)
+        self.head = torch.nn.Linear(6, 12, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("mask", torch.ones(6))
+        self.inner = torch.nn.Module()
+        self.inner.register_buffer("mask", self.mask)
+
+    def forward(self, x):
+        return self.head(self.emb(x) * self.inner.mask)
+
+
+def test_meta_model_keeps_its_ties():
+    """``to_empty`` gives each module its own new Parameter; materialisation must re-tie them (one
+    Parameter, one optimizer entry, trained like the same model built on the CPU)."""
+    with torch.device("meta"):
+        model = _Tied()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    boosted, optim, *_ = Booster(plugin=TorchDDPPlugin()).boost(model, optim)
+    model = boosted.unwrap()
+    assert model.head.weight is model.emb.weight and model.inner.mask is model.mask
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert [p for g in optim.param_groups for p in g["params"]] == [model.emb.weight]
+    ref = _Tied()
+    ref.load_state_dict(model.state_dict())
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.tensor([[1, 2, 3]])
+    for m, o in ((model, optim), (ref, ref_optim)):
+        m(x).square().mean().backward()
+        o.step()
+    torch.testing.assert_close(model.emb.weight, ref.emb.weight, rtol=0, atol=0)
+
+
 def _accumulate():
     """Two micro-batches under no_sync + one synced equals one big batch."""
     booster, model, optim, loader = boosted_setup(TorchDDPPlugin())

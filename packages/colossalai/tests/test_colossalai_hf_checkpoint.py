@@ -1,11 +1,11 @@
 """Hugging Face ``save_pretrained`` folders in and out of a boosted model.
 
-A tiny random GPT-2 (and Llama) is saved locally with ``transformers``' own ``save_pretrained``
-(sharded with an index, or one ``model.safetensors``), loaded by ``Booster.load_pretrained`` under
-each plugin, trained 3 steps, exported with ``Booster.save_pretrained`` and read back with
-``AutoModelForCausalLM.from_pretrained`` strictly (``output_loading_info``: nothing missing or
-unexpected). Logits are compared in fp32 with rtol 1e-5 (the same weights and the same forward;
-only the reduction order of a sharded forward may differ).
+A tiny random GPT-2 (and Llama, and a BERT decoder under Gemini) is saved locally with
+``transformers``' own ``save_pretrained`` (sharded with an index, or one ``model.safetensors``),
+loaded by ``Booster.load_pretrained`` under each plugin, trained 3 steps, exported with
+``Booster.save_pretrained`` and read back with ``AutoModelForCausalLM.from_pretrained`` strictly
+(``output_loading_info``: nothing missing or unexpected). Logits are compared in fp32 with rtol 1e-5
+(the same weights and the same forward; only the reduction order of a sharded forward may differ).
 """
 
 import pathlib
@@ -37,6 +37,15 @@ def llama_config():
     return transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+
+
+def bert_config():
+    """A BERT decoder (``BertLMHeadModel``): ``cls.predictions.bias`` is tied to ``cls.predictions.decoder.bias``,
+    a parameter its parent and its child module both use in one forward."""
+    return transformers.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, is_decoder=True,
     )  # fmt: skip
 
 
@@ -256,6 +265,14 @@ def test_each_rank_reads_its_slices_and_gets_the_folder_logits(tmp_path, spec):
 def test_folder_boost_train_export_from_pretrained(tmp_path, spec):
     src = saved_folder(tmp_path, gpt2_config())
     _round_trip(src, tmp_path / "out", spec)
+
+
+def test_bert_folder_gemini_train_export_from_pretrained(tmp_path):
+    """BERT's tied prediction bias (parent and child module) under Gemini: load, train, export (#15)."""
+    src = saved_folder(tmp_path, bert_config())
+    want, _ = hf_logits(src, tokens())
+    for r in _round_trip(src, tmp_path / "out", "gemini"):
+        torch.testing.assert_close(r["loaded"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_folder_tp2_user_plan_train_export_from_pretrained(tmp_path):

@@ -46,9 +46,6 @@ PLUGINS = {
 
 
 SKIP = {
-    # BertForMaskedLM ties cls.predictions.bias to cls.predictions.decoder.bias; Gemini raises
-    # IllegalTransitionError (COMPUTE -> COMPUTE) for a parameter two modules use in one forward.
-    ("bert", "gemini"),
     # all-to-all attention is the same code for every family: run it on the two with masks that matter
     ("gpt2", "sp2-all_to_all"),
     ("vit", "sp2-all_to_all"),

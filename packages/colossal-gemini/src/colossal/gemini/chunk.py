@@ -57,7 +57,9 @@ _LEGAL: dict[TensorState, frozenset[TensorState]] = {
     TensorState.HOLD: frozenset({TensorState.FREE, TensorState.COMPUTE, TensorState.READY_FOR_REDUCE}),
     TensorState.COMPUTE: frozenset({TensorState.HOLD, TensorState.HOLD_AFTER_BWD, TensorState.READY_FOR_REDUCE}),
     TensorState.HOLD_AFTER_BWD: frozenset({TensorState.COMPUTE, TensorState.READY_FOR_REDUCE}),
-    TensorState.READY_FOR_REDUCE: frozenset({TensorState.HOLD, TensorState.FREE}),
+    # -> COMPUTE: a module that shares the tensor begins its backward after the gradient came in (a reentrant
+    # recomputation: each inner backward accumulates its own part; see [Note: shared parameters] in ddp.py)
+    TensorState.READY_FOR_REDUCE: frozenset({TensorState.HOLD, TensorState.FREE, TensorState.COMPUTE}),
 }
 
 
@@ -91,6 +93,12 @@ class TensorInfo:
     """Number of elements."""
     state: TensorState = TensorState.FREE
     """Current state."""
+    users: int = 0
+    """Forward operators using the tensor now (COMPUTE only): more than one when modules that share it
+    run nested, e.g. a parent and its child (see ``[Note: shared parameters]`` in ``ddp.py``)."""
+    grads: int = 0
+    """Gradients accumulated into its slot of the gradient buffer since the chunk was last reduced (more
+    than one when a shared parameter's uses reach it through separate backward passes)."""
 
 
 class Chunk:
@@ -164,11 +172,33 @@ class Chunk:
                 f"tensor {info.name!r} in chunk {self.id}: cannot go from {state.name} to {target.name}; "
                 f"allowed from {state.name}: {sorted(s.name for s in _LEGAL[state])}"
             )
+        if target is not TensorState.COMPUTE:
+            info.users = 0
         if target is _READY:
             self.n_ready += 1
         elif state is _READY:
             self.n_ready -= 1
         info.state = target
+
+    def enter(self, info: TensorInfo) -> None:
+        """One more operator computes with ``info``: -> COMPUTE, or one more user of a tensor already in
+        COMPUTE (a module nested in another that uses the same parameter)."""
+        if info.state is TensorState.COMPUTE:
+            info.users += 1
+            return
+        self.transition(info, TensorState.COMPUTE)
+        info.users = 1
+
+    def leave(self, info: TensorInfo, target: TensorState) -> None:
+        """An operator is done with ``info``; the last of its users moves it to ``target``."""
+        if info.state is not TensorState.COMPUTE or info.users < 1:
+            raise IllegalTransitionError(
+                f"tensor {info.name!r} in chunk {self.id}: left by an operator while {info.state.name} "
+                f"with {info.users} users; expected COMPUTE with at least 1"
+            )
+        info.users -= 1
+        if info.users == 0:
+            self.transition(info, target)
 
     def count(self, state: TensorState) -> int:
         """Number of tensors in ``state``."""
@@ -217,6 +247,7 @@ class Chunk:
         target = TensorState.HOLD if self.state is ChunkState.GATHERED else TensorState.FREE
         for info in self.tensors:
             self.transition(info, target)
+            info.grads = 0
 
     @property
     def nbytes(self) -> int:

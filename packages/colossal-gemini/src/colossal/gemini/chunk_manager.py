@@ -335,15 +335,19 @@ class ChunkManager:
         return self.dp_size == 1 and chunk.o_tier == "device"
 
     def add_grad(self, chunk: Chunk, info: TensorInfo, grad: torch.Tensor) -> None:
-        """Copy one parameter's gradient into the chunk's gradient buffer (allocated on first use)."""
+        """Put one parameter's gradient into the chunk's gradient buffer (allocated on first use); added to
+        what its slot holds when the parameter already got part of its gradient since the last reduction."""
+        again = info.grads > 0
+        info.grads += 1
         if self.direct_grad(chunk):
             dst = chunk.grad_shard[info.offset : info.offset + info.numel]
-            (dst.add_ if chunk.has_grad else dst.copy_)(grad.reshape(-1))
+            (dst.add_ if chunk.has_grad or again else dst.copy_)(grad.reshape(-1))
             chunk.written.add(info.offset)
             return
         if chunk.grad_buffer is None:
             self._alloc_grad_buffer(chunk)
-        chunk.grad_buffer[info.offset : info.offset + info.numel].copy_(grad.reshape(-1))
+        dst = chunk.grad_buffer[info.offset : info.offset + info.numel]
+        (dst.add_ if again else dst.copy_)(grad.reshape(-1))
 
     def _alloc_grad_buffer(self, chunk: Chunk) -> None:
         self.device.charge(chunk.nbytes, f"chunk {chunk.id} gradient buffer")

@@ -24,6 +24,27 @@ it once the gradient is in. A ``saved_tensors_hooks`` pair counts those saved vi
 use, pins nothing) and checks on every unpack that the chunk is gathered, raising instead of
 letting autograd read freed storage.
 
+[Note: shared parameters]
+One parameter may belong to several modules (``m.parameters(recurse=False)`` of each lists it): two
+siblings (tied input/output embeddings), or a parent and its child that both compute with it in one
+forward (Hugging Face BERT ties ``cls.predictions.bias`` to ``cls.predictions.decoder.bias``).
+* Forward: the modules' operators nest, so the tensor is entered once per operator
+  (``TensorInfo.users``, ``Chunk.enter``/``Chunk.leave``) and goes back to HOLD only when the last of
+  them has left: the parent's chunk stays pinned through the child and any operator after it, until
+  the parent's own forward is done.
+* Backward: operators run one at a time, so a second user just takes the tensor over (COMPUTE stays
+  COMPUTE). Autograd accumulates a parameter's gradient once per graph task, the sum of all its uses;
+  reentrant checkpointing runs one inner backward per recomputed segment, so a parameter shared by two
+  segments receives its gradient in parts. A part is added to what its slot holds
+  (``TensorInfo.grads``); a module that begins its backward after a part came moves the tensor from
+  READY_FOR_REDUCE back to COMPUTE (its chunk waits for the next part); a part that comes after its
+  chunk was reduced goes into a new buffer and the chunk is reduced again (reductions are linear and
+  ``grad_shard`` accumulates), at the latest at the end of backward. Every part therefore counts
+  exactly once, as in plain PyTorch.
+* The pass ends with the outermost backward: a hook on the wrapped module's outputs begins it, else
+  a model whose every module runs under reentrant checkpointing would begin and end it inside the
+  first inner backward.
+
 [Note: recomputation]
 Activation checkpointing runs module forwards again inside backward (non-reentrant: when autograd
 unpacks a saved activation; reentrant: inside the checkpoint's backward). Such a forward is not an
@@ -281,13 +302,27 @@ class GeminiDDP(nn.Module):
             m = self.manager
             model, non_model, peak = m.device.used_bytes, self._fast_non_model, self._peak
             self._peak = [max(peak[0], model), max(peak[1], non_model), max(peak[2], model + non_model)]
-            return self.module(*args, **kwargs)
+            return self._mark_backward_start(self.module(*args, **kwargs))
         self._attach_module_hooks()
         if self.warmup and torch.is_grad_enabled() and not self._tracking:
             self.tracker.__enter__()
             self._tracking = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.module(*args, **kwargs)
+            return self._mark_backward_start(self.module(*args, **kwargs))
+
+    def _mark_backward_start(self, output):
+        """Begin the backward pass when the output's gradient arrives, i.e. in the outermost backward: with
+        every module under reentrant checkpointing the first module hook runs in an inner backward, whose
+        end would otherwise close the pass (all chunks reduced once per inner backward)."""
+        if torch.is_grad_enabled() and not self._in_backward:
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._output_grad)
+        return output
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._enter_backward()
 
     def _pack(self, t: torch.Tensor):
         chunk = self._storage_chunk.get(t.untyped_storage()._cdata)
@@ -319,7 +354,7 @@ class GeminiDDP(nn.Module):
             return
         self._begin_op(f"fwd:{name}", chunks)
         for chunk, info in pairs:
-            chunk.transition(info, TensorState.COMPUTE)
+            chunk.enter(info)  # a parameter shared with an enclosing module gets one more user
 
     def _post_forward(self, module: nn.Module, args, output):
         _, chunks, pairs = self._module_chunks[module]
@@ -327,7 +362,7 @@ class GeminiDDP(nn.Module):
             self._recompute_done(chunks)
         else:
             for chunk, info in pairs:
-                chunk.transition(info, TensorState.HOLD)
+                chunk.leave(info, TensorState.HOLD)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -496,6 +531,9 @@ class GeminiDDP(nn.Module):
     def _take_grad(self, chunk: Chunk, info, param: nn.Parameter) -> None:
         """Move ``param.grad`` into its chunk; reduce the chunk once all its gradients are in."""
         m = self.manager
+        if chunk is self._inflight:  # a later part of a shared gradient: the buffer is being reduced
+            m.finish_reduce(chunk)
+            self._inflight = None
         new_buffer = chunk.grad_buffer is None and not m.direct_grad(chunk)
         if new_buffer:
             self._new_grad = chunk.nbytes
@@ -509,6 +547,8 @@ class GeminiDDP(nn.Module):
             self._pinned = max(self._pinned, m.grad_buffer_bytes)
             self._sample("grad", self.op_index - 1)
         param.grad = None
+        if info.state is TensorState.READY_FOR_REDUCE:  # one more part, its chunk waits in the fixed order
+            return
         chunk.transition(info, TensorState.READY_FOR_REDUCE)
         if chunk.ready_for_reduce:
             self._reduce(chunk)
@@ -516,8 +556,8 @@ class GeminiDDP(nn.Module):
     def _reduce(self, chunk: Chunk) -> None:
         """``chunk``'s gradients are all in: reduce it (replicated chunks: in the fixed order, see
         ``[Note: fixed reduction order]``)."""
-        if not self.manager.replicated:
-            self._launch_reduce(chunk)
+        if not self.manager.replicated or chunk.id in self._reduced:  # reduced already: a later part of a
+            self._launch_reduce(chunk)  # shared parameter's gradient (see [Note: shared parameters])
             return
         order, chunks = self._reduce_order, self.manager.chunks
         while self._next_reduce < len(order) and chunks[order[self._next_reduce]].ready_for_reduce:
@@ -540,10 +580,13 @@ class GeminiDDP(nn.Module):
         """End of backward: reduce every chunk not reduced yet, zeros standing for the gradients this rank
         did not produce (unused parameters, a module skipped on this rank)."""
         m = self.manager
-        order = self._reduce_order[self._next_reduce :] if m.replicated else [c.id for c in m.chunks]
+        if self._inflight is not None:  # finished first: its tensors' part counts are reset then
+            m.finish_reduce(self._inflight)
+            self._inflight = None
+        order = self._reduce_order if m.replicated else [c.id for c in m.chunks]
         for c in (m.chunks[i] for i in order):
-            if c.id in self._reduced:
-                continue
+            if c.id in self._reduced and not any(info.grads for info in c.tensors):
+                continue  # reduced, and no part of a shared gradient came after (see [Note: shared parameters])
             for info in c.tensors:
                 if info.state is not TensorState.READY_FOR_REDUCE:
                     c.transition(info, TensorState.READY_FOR_REDUCE)

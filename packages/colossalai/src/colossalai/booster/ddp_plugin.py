@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 from torch import nn
@@ -16,16 +17,46 @@ __all__ = ["TorchDDPPlugin"]
 
 def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
     """Allocate a meta-device model on ``device`` (``materialize()`` when the model has one,
-    else ``to_empty`` + ``reset_parameters`` per submodule) and move it there."""
+    else ``to_empty`` + ``reset_parameters`` per submodule) and move it there.
+
+    Tied tensors stay tied: ``to_empty`` gives every module its own new ``Parameter`` (a meta tensor
+    cannot change device in place), so each name that shared a tensor before is pointed back at the
+    first name's new one (before ``reset_parameters``, which then initialises the shared tensor)."""
     if any(p.is_meta for p in model.parameters()):
+        ties = _tied_names(model)
         if hasattr(model, "materialize"):
             model.materialize(device)
+            _retie(model, ties)
         else:
             model.to_empty(device=device)
+            _retie(model, ties)
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
     return model.to(device)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Names of every parameter or buffer reachable under several names, grouped, first name first."""
+    groups: dict[int, list[str]] = {}
+    named = itertools.chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        groups.setdefault(id(t), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Point every name of each group at the tensor its first name now holds."""
+    for first, *rest in ties:
+        owner, attr = _owner(model, first)
+        shared = getattr(owner, attr)
+        for name in rest:
+            setattr(*_owner(model, name), shared)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return model.get_submodule(path), attr
 
 
 class TorchDDPPlugin(Plugin):
