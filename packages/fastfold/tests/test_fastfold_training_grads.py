@@ -36,3 +36,24 @@ def test_evoformer_gradients_equal_reference(checkpoint, n_seq):
     names = ["m", "z"] + [n for n, _ in stack.named_parameters()]
     for name, g, w in zip(names, got, want):
         torch.testing.assert_close(g, w, **TOL, msg=f"gradient of {name}")
+
+
+def test_checkpointed_forward_runs_without_autograd_and_keeps_parameter_gradients():
+    """[Note: checkpointing with the inference forward]: the checkpointed block's first forward runs
+    without autograd (the inference paths) and only its recompute in backward with it; parameter
+    gradients flow when the inputs need none (also through ``torch.autograd.grad``) and equal
+    those of the plain autograd run (float64)."""
+    stack = randomize_(EvoformerStack(tiny_evo(msa_dropout=0.0, pair_dropout=0.0)).double()).train()
+    m, z = rand(3, 7, 12, seed=1), rand(7, 7, 8, seed=2)  # no requires_grad: params only
+    msa_mask, pair_mask = rand_mask(3, 7, seed=3), rand_mask(7, 7, seed=4)
+    seen = []
+    hook = stack.blocks[0].pair_stack.tri_att_start.register_forward_pre_hook(
+        lambda mod, args: seen.append(torch.is_grad_enabled())
+    )
+    params = list(stack.parameters())
+    got = torch.autograd.grad(_loss(*stack(m, z, msa_mask, pair_mask, checkpoint=True)), params)
+    hook.remove()
+    assert seen == [False, True]  # forward without autograd, recompute with it
+    want = torch.autograd.grad(_loss(*stack(m, z, msa_mask, pair_mask)), params)
+    for (name, _), g, w in zip(stack.named_parameters(), got, want):
+        torch.testing.assert_close(g, w, **TOL, msg=f"gradient of {name}")

@@ -4,13 +4,24 @@ masks, DAP padding and scatter/gather, activation checkpointing per block."""
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from fastfold.chunk import check_chunk_size
 from fastfold.model.dropout import draw_dropout_seed
 from fastfold.parallel.dap import pad_axis
 
-__all__ = ["check_trunk_inputs", "run_trunk"]
+__all__ = ["check_trunk_inputs", "run_trunk", "checkpoint_block"]
+
+# [Note: checkpointing with the inference forward]
+# A checkpointed block keeps nothing of its forward, so that forward has no use for autograd: it
+# runs under ``torch.no_grad()`` and takes the inference fast paths (fused attention, the lean
+# triangle update, in-place gates; OpenFold's reentrant checkpoint also runs it without autograd,
+# but through its training code). Backward recomputes the block with autograd (the training
+# paths) from the saved inputs and differentiates that. The two forwards differ only by float
+# rounding (the fused kernels reassociate sums, ~1e-7 relative in float32), so the gradients are
+# those of the recomputed block at inputs within rounding of the autograd forward's. The block's
+# parameters are inputs of the autograd node, so their gradients flow even when ``m`` and ``z``
+# need none, and ``torch.autograd.grad`` works through it (not double backward). Dropout masks
+# come from the block's own seeded generator (``SharedDropout``), so the recompute draws the same.
 
 
 def _shape(t) -> tuple:
@@ -73,7 +84,7 @@ def run_trunk(blocks, m, z, msa_mask, pair_mask, cfg, chunk_size, inplace, dap, 
         drop = draw_dropout_seed(len(blocks), n_res, m.device, dap)  # [Note: dropout under DAP]
     for block, d in zip(blocks, drop):
         if checkpoint and torch.is_grad_enabled():
-            m, z = _checkpoint(block, m, z, msa_mask, pair_mask, chunk_size, False, dap, d, use_reentrant=False)
+            m, z = checkpoint_block(block, m, z, msa_mask, pair_mask, chunk_size, dap, d)
         else:
             m, z = block(m, z, msa_mask, pair_mask, chunk_size, inplace, dap, d)
     if dap is not None:
@@ -82,3 +93,45 @@ def run_trunk(blocks, m, z, msa_mask, pair_mask, cfg, chunk_size, inplace, dap, 
             z = dap.gather_output(z, -2)[..., :n_res, :n_res, :]
             msa_mask, pair_mask = msa_mask[..., :n_seq, :n_res], pair_mask[..., :n_res, :n_res]
     return m, z, (msa_mask, pair_mask)
+
+
+class _InferenceForwardCheckpoint(torch.autograd.Function):
+    """See [Note: checkpointing with the inference forward]."""
+
+    @staticmethod
+    def forward(ctx, run, m, z, msa_mask, pair_mask, *params):
+        ctx.run = run
+        ctx.save_for_backward(m, z, msa_mask, pair_mask)
+        with torch.no_grad():
+            return run(m, z, msa_mask, pair_mask)
+
+    @staticmethod
+    def backward(ctx, grad_m, grad_z):
+        m, z, msa_mask, pair_mask = ctx.saved_tensors
+        m_in, z_in = (t.detach().requires_grad_(t.requires_grad) for t in (m, z))
+        with torch.enable_grad():
+            out = ctx.run(m_in, z_in, msa_mask, pair_mask)
+        params = [p for p in ctx.run.params if p.requires_grad]
+        wrt = [t for t in (m_in, z_in) if t.requires_grad] + params
+        grads = iter(torch.autograd.grad(out, wrt, (grad_m, grad_z), allow_unused=True))
+        g_m = next(grads) if m_in.requires_grad else None
+        g_z = next(grads) if z_in.requires_grad else None
+        by_param = {id(p): g for p, g in zip(params, grads)}
+        return (None, g_m, g_z, None, None, *(by_param.get(id(p)) for p in ctx.run.params))
+
+
+class _BlockRun:
+    def __init__(self, block, chunk_size, dap, dropout):
+        self.block, self.chunk_size, self.dap, self.dropout = block, chunk_size, dap, dropout
+        self.params = list(block.parameters())
+
+    def __call__(self, m, z, msa_mask, pair_mask):
+        return self.block(m, z, msa_mask, pair_mask, self.chunk_size, False, self.dap, self.dropout)
+
+
+def checkpoint_block(block, m, z, msa_mask, pair_mask, chunk_size=None, dap=None, dropout=None):
+    """``block(m, z, ...)`` keeping only its inputs for backward: the forward runs without autograd
+    (the inference paths), backward recomputes it with autograd (see [Note: checkpointing with the
+    inference forward]). Returns the block's ``(m, z)``."""
+    run = _BlockRun(block, chunk_size, dap, dropout)
+    return _InferenceForwardCheckpoint.apply(run, m, z, msa_mask, pair_mask, *run.params)
