@@ -66,16 +66,12 @@ def test_extras(dist: str) -> str:
 
 
 def install_packages(session: nox.Session, dists: list[str], extras: dict[str, str] | None = None) -> None:
-    """Install torch (pinned) and the given local packages in one resolver run.
-
-    ``--no-compile``: pip would byte-compile all of torch's ~3,000 modules in every session (half
-    of torch's install time measured here); Python compiles the few a test imports on first use.
-    """
+    """Install torch (pinned) and the given local packages in one resolver run."""
     extras = extras or {}
     constraints = _constraints(session)
-    session.install("--no-compile", "-c", constraints, TORCH_SPEC)
+    session.install("-c", constraints, TORCH_SPEC)
     paths = [f"{PACKAGES_DIR / d}[{extras[d]}]" if d in extras else str(PACKAGES_DIR / d) for d in dists]
-    session.install("--no-compile", "-c", constraints, *paths)
+    session.install("-c", constraints, *paths)
 
 
 @nox.session
