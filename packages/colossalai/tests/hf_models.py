@@ -70,3 +70,12 @@ def batches(family: str, steps: int = 3) -> list[dict]:
 def loss(model, batch: dict) -> torch.Tensor:
     """The model's own loss (``labels`` given)."""
     return model(**batch).loss
+
+
+def logits_of(model, x) -> torch.Tensor:
+    """The model's eval-mode logits for ``input_ids=x``, as fp32 on the CPU (training mode restored)."""
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=x).logits.detach().float().cpu()
+    model.train()
+    return out

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import logits_of  # noqa: E402
+
 from colossal.comm.testing import run_distributed  # noqa: E402
 from colossalai import Booster  # noqa: E402
 from colossalai.booster.registry import make_plugin  # noqa: E402
@@ -60,14 +62,6 @@ def saved_folder(root, config, *, seed: int = 0, shard: str | None = "8KB") -> p
 
 def tokens(batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def logits_of(model, x) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        out = model(input_ids=x).logits.detach().float().cpu()
-    model.train()
-    return out
 
 
 def hf_logits(folder, x):

@@ -22,7 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import batches  # noqa: E402
+from hf_models import batches, logits_of  # noqa: E402
 from plan_harness import LR, boosted_losses, errors_on_every_rank  # noqa: E402
 
 from colossal.comm.testing import run_distributed  # noqa: E402
@@ -68,14 +68,6 @@ def reference_losses(aux: bool, dp: int) -> list[float]:
         optim.step()
         optim.zero_grad()
         out.append(step.item())
-    return out
-
-
-def logits_of(model, x) -> torch.Tensor:
-    model.eval()
-    with torch.no_grad():
-        out = model(input_ids=x).logits.detach().float().cpu()
-    model.train()
     return out
 
 

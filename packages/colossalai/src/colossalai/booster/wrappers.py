@@ -31,6 +31,25 @@ class BoostedModel(nn.Module):
         """The user's module, without plugin wrappers."""
         return self._original
 
+    def _engine_owns_state(self) -> bool:
+        # An engine that keeps parameters outside its module tree (Gemini's chunks) defines its own
+        # state_dict; torch's recursion would only see the empty placeholders and return nothing.
+        return type(self.module).state_dict is not nn.Module.state_dict
+
+    def state_dict(self, *args, **kwargs):
+        """The model's state dict: the engine's own (full, under the user's names; collective, call
+        on every rank) where it keeps parameters outside the module tree, as Gemini does; else
+        torch's, under this wrapper's names."""
+        if self._engine_owns_state():
+            return self.module.state_dict(*args, **kwargs)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load what :meth:`state_dict` returns, strict like ``torch.nn.Module.load_state_dict``."""
+        if self._engine_owns_state():
+            return self.module.load_state_dict(state_dict, strict=strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def forward(self, *args, **kwargs):
         """Forward of the wrapped module, under autocast when the precision is not fp32."""
         ctx = (

@@ -1,0 +1,50 @@
+"""A boosted model's ``state_dict()`` is the model's state in a plain process, also under Gemini,
+whose parameters live in chunks outside the module tree (it returned ``{}`` before)."""
+
+import copy
+
+import torch
+from torch import nn
+
+from colossalai import Booster, GeminiPlugin
+
+
+class _Net(nn.Module):  # a user's own names, a tied weight, an unused parameter, a BatchNorm buffer
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x).mean(1)))
+
+
+def _train(model, opt, backward, steps=3):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randint(0, 50, (8, 5)), torch.randint(0, 50, (8,))
+        backward(nn.functional.cross_entropy(model(x), y), opt)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_gemini_boosted_state_dict_is_the_models():
+    torch.manual_seed(0)
+    ref = _Net()
+    plain = copy.deepcopy(ref)
+    _train(plain, torch.optim.Adam(plain.parameters(), 1e-2), lambda loss, _: loss.backward())
+    booster = Booster(plugin=GeminiPlugin())
+    mine = copy.deepcopy(ref)
+    model, opt, *_ = booster.boost(mine, torch.optim.Adam(mine.parameters(), 1e-2))
+    _train(model, opt, booster.backward)
+    got, want = model.state_dict(), plain.state_dict()
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k].float(), want[k].float(), rtol=1e-5, atol=1e-6, msg=k)
+    assert torch.equal(got["unused"], torch.ones(3))  # no gradient: untouched, as in PyTorch
+    fresh = _Net()
+    fresh.load_state_dict(got)  # strict: loads into the plain module
+    model.load_state_dict(want)  # and back, strict
