@@ -3,6 +3,7 @@ whose parameters live in chunks outside the module tree (it returned ``{}`` befo
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -48,3 +49,9 @@ def test_gemini_boosted_state_dict_is_the_models():
     fresh = _Net()
     fresh.load_state_dict(got)  # strict: loads into the plain module
     model.load_state_dict(want)  # and back, strict
+
+
+def test_gemini_refuses_an_optimizer_over_another_models_parameters():
+    ref = _Net()
+    with pytest.raises(ValueError, match=r"optimizer holds 6 parameter\(s\) that are not the model's"):
+        Booster(plugin=GeminiPlugin()).boost(copy.deepcopy(ref), torch.optim.Adam(ref.parameters()))

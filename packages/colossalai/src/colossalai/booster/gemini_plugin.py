@@ -79,6 +79,12 @@ class GeminiPlugin(Plugin):
         model = materialize_(model, self.device)
         rebind_optimizer(optimizer, names, model)
         current = param_names(model)
+        foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in current]
+        if foreign:  # Gemini steps only the parameters in its chunks, i.e. the model's
+            raise ValueError(
+                f"GeminiPlugin: the optimizer holds {len(foreign)} parameter(s) that are not the model's "
+                f"(shapes {foreign[:5]}); build it over the model you boost: optimizer(model.parameters())"
+            )
         self._group_names = [[current[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         budget = self.budget or (CPU_DEFAULT_BUDGET if self.device.type == "cpu" else None)
         mp = None if precision is Precision.FP32 else precision.dtype
