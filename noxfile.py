@@ -8,13 +8,23 @@ prove the import arrows of ``ARCHITECTURE.md``.
 torch comes from one pinned spec, ``COLOSSAL_TORCH_SPEC`` (default ``torch==2.13.0``, the CPU
 build that lies on this project's machines), passed as a pip constraint to every install so that
 no session can ever pull a different (multi-GB CUDA) torch by accident.
+
+Two caches keep the many venvs cheap (installing was most of CI's time): torch is installed once,
+with ``pip install --target``, into ``.nox/_shared/`` and each session venv sees it through a
+``.pth`` file (every package declares torch, so this adds nothing a package did not ask for); and
+each local package is built into a wheel once per source state (its files' digest and the commit,
+which setuptools-scm puts in the version) and installed from that wheel by every session that
+needs it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import tomllib
 
 import nox
@@ -65,13 +75,76 @@ def test_extras(dist: str) -> str:
     return "test,hf" if "hf" in optional else "test"
 
 
+SHARED = ROOT / ".nox" / "_shared"
+"""Where the shared torch install and the local packages' wheels live (see the module docstring)."""
+
+
+def _session_python(session: nox.Session, code: str) -> str:
+    return session.run("python", "-c", code, silent=True).strip()
+
+
+def _shared_torch(session: nox.Session, constraints: str) -> None:
+    """Make the pinned torch importable in the session venv from one shared install (a ``.pth``)."""
+    tag = _session_python(session, "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
+    target = SHARED / f"{re.sub(r'[^A-Za-z0-9.+-]', '_', TORCH_SPEC)}-{tag}"
+    if not (target / ".complete").exists():
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        session.run("python", "-m", "pip", "install", "-q", "--target", str(partial), "-c", constraints, TORCH_SPEC)
+        (partial / ".complete").write_text(TORCH_SPEC + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    site = pathlib.Path(_session_python(session, "import sysconfig; print(sysconfig.get_paths()['purelib'])"))
+    (site / "_colossal_shared_torch.pth").write_text(str(target) + "\n")
+
+
+def _source_state(dist: str) -> str:
+    """A digest of a local package's files and of the commit (setuptools-scm's version input)."""
+    digest = hashlib.sha256()
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        digest.update(head.stdout.encode())
+    except (OSError, subprocess.CalledProcessError):
+        digest.update(b"no git")
+    base = PACKAGES_DIR / dist
+    skip = {"build", "dist", "__pycache__", ".eggs"}
+    for path in sorted(base.rglob("*")):
+        rel = path.relative_to(base)
+        if path.is_file() and not any(p in skip or p.endswith(".egg-info") for p in rel.parts):
+            digest.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _local_wheel(session: nox.Session, dist: str) -> pathlib.Path:
+    """The wheel of local package ``dist`` for its current source state, built once."""
+    folder = SHARED / "wheels" / f"{dist}-{_source_state(dist)}"
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(partial), str(PACKAGES_DIR / dist))
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        wheels = sorted(folder.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected one wheel of {dist} in {folder}, found {[w.name for w in wheels]}")
+    return wheels[0]
+
+
 def install_packages(session: nox.Session, dists: list[str], extras: dict[str, str] | None = None) -> None:
-    """Install torch (pinned) and the given local packages in one resolver run."""
+    """Install torch (pinned, shared) and the given local packages (from their cached wheels) in one
+    resolver run. Local packages are named by wheel path, so pip never looks for them on a registry."""
     extras = extras or {}
     constraints = _constraints(session)
-    session.install("-c", constraints, TORCH_SPEC)
-    paths = [f"{PACKAGES_DIR / d}[{extras[d]}]" if d in extras else str(PACKAGES_DIR / d) for d in dists]
-    session.install("-c", constraints, *paths)
+    _shared_torch(session, constraints)
+    wheels = {d: _local_wheel(session, d) for d in dists}
+    paths = [f"{dist_name(d)}[{extras[d]}] @ {wheels[d].as_uri()}" if d in extras else str(wheels[d]) for d in dists]
+    session.install("-c", constraints, TORCH_SPEC, *paths)
+
+
+def dist_name(dist: str) -> str:
+    """The distribution name in a package's ``pyproject.toml``."""
+    return _project(dist)["name"]
 
 
 @nox.session
