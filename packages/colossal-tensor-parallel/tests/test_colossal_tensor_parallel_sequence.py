@@ -111,3 +111,39 @@ def _masked_and_bidirectional():
 
 def test_sequence_attention_padding_mask_and_bidirectional():
     run_distributed(_masked_and_bidirectional, 2, timeout=90)
+
+
+def _blocked_online_softmax():
+    torch.manual_seed(1)
+    group, r, p = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    n = 32  # t = 16 tokens per rank, in key blocks of 3 (uneven last block); T > 2d
+    S.RING_BLOCK = 3
+    key_mask = torch.rand(B, n) > 0.4
+    key_mask[0, :] = False  # a row with nothing to attend: the uniform average, as the dense path
+    key_mask[1, 0] = True
+    for causal in (True, False):
+        q, k, v = (torch.randn(B, HEADS, n, D, requires_grad=True) for _ in range(3))
+        g = torch.randn(B, HEADS, n, D)
+        scores = (q @ k.transpose(-1, -2)) * 0.5
+        want = S._mask_scores(scores, 0, causal, key_mask).softmax(-1) @ v  # the paper's form, dense
+        want.backward(g)
+        parts = [x.detach().chunk(p, dim=2)[r].clone().requires_grad_() for x in (q, k, v)]
+        saved = []
+
+        def pack(x, saved=saved):
+            saved.append(x.numel())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = S.ring_attention(*parts, group, causal=causal, scale=0.5, key_mask=key_mask)
+        out.backward(g.chunk(p, dim=2)[r])
+        name = f"blocked causal={causal}"
+        assert_close(out, want.chunk(p, dim=2)[r], f"{name} output")
+        for x, part in zip((q, k, v), parts):
+            assert_close(part.grad, x.grad.chunk(p, dim=2)[r], f"{name} grad")
+        # nothing of the (B, h, t, T) score rows is kept for backward: memory linear in T
+        assert max(saved) < B * HEADS * (n // p) * n, (name, saved)
+
+
+def test_ring_attention_online_softmax_blocks_and_linear_memory():
+    run_distributed(_blocked_online_softmax, 2, timeout=90)

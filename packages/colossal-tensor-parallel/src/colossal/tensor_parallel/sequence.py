@@ -1,10 +1,14 @@
 """Sequence parallelism: each rank of a group of ``P`` holds ``T/P`` consecutive tokens of every
 sequence, weights are replicated, and only attention communicates.
 
-* **Ring self-attention** (Li et al., 2021): the key chunks travel around the ring to build this
-  rank's rows of ``QK^T`` (``(B, h, T/P, T)``), the softmax is local, then the value chunks travel
-  around the ring to form ``softmax(QK^T) V``. Each hop is a differentiable ring shift whose
-  backward shifts the gradient the other way, so autograd derives the paper's backward.
+* **Ring self-attention** (Li et al., 2021): the key and value chunks travel around the ring, and
+  this rank's queries attend to each chunk as it arrives. The softmax is computed online, block
+  by block (running row maximum and sum, as in memory-efficient and ring attention: Rabe & Staats
+  2021, Liu et al. 2023), so no ``(B, h, T/P, T)`` score matrix is ever kept: saved for backward
+  are q, the gathered k and v, the output and the row log-sum-exp, all linear in ``T``. The
+  backward recomputes each block's probabilities from the log-sum-exp and sends the key and value
+  gradients back around the ring to their owners. With dropout on the probabilities the paper's
+  form runs instead (the whole ``(B, h, T/P, T)`` rows, softmax, dropout, autograd backward).
 * **All-to-all attention** (DeepSpeed-Ulysses): one all-to-all turns ``(B, h, T/P, d)``
   sequence-split q/k/v into ``(B, h/P, T, d)`` head-split ones, plain attention runs, and one
   all-to-all switches back.
@@ -79,6 +83,115 @@ def _mask_scores(scores: torch.Tensor, rows0: int, causal: bool, key_mask: torch
     return scores
 
 
+RING_BLOCK = 512
+"""Keys per block of the online softmax in :func:`ring_attention`: a block's scores are
+``(B, h, T/P, RING_BLOCK)``, transient (freed before the next block)."""
+
+
+def _block_scores(q, kb, scale, rows0, cols0, causal, key_mask):
+    """Scaled scores ``(B, h, t, n)`` of queries at global rows ``rows0 + i`` against the key block
+    at global columns ``cols0 + j``, masked as :func:`_mask_scores` masks (lowest value)."""
+    s = (q @ kb.transpose(-1, -2)).mul_(scale)
+    low = torch.finfo(s.dtype).min
+    if causal:
+        rows = torch.arange(s.shape[-2], device=s.device).unsqueeze(1) + rows0
+        cols = torch.arange(s.shape[-1], device=s.device).unsqueeze(0) + cols0
+        s.masked_fill_(cols > rows, low)
+    if key_mask is not None:
+        s.masked_fill_(~key_mask[:, None, None, cols0 : cols0 + s.shape[-1]], low)
+    return s
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _key_blocks(p: int, r: int, t: int, causal: bool):
+    """``(chunk j, start, stop)`` of the key blocks rank ``r``'s queries see (causal: no chunk
+    after its own), ``RING_BLOCK`` keys at most each."""
+    for j in range(p):
+        if causal and j > r:
+            continue
+        for a in range(0, t, RING_BLOCK):
+            yield j, a, min(a + RING_BLOCK, t)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact ring attention with an online softmax (see the module docstring). Forward: ``P-1``
+    ring steps of the packed ``[k, v]`` chunk; backward: ``P-1`` ring steps of the packed
+    ``[dk, dv]`` partial sums, which arrive at their owner complete."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, key_mask):
+        p, r, t = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
+        d = k.shape[-1]
+        with torch.no_grad():
+            kv = torch.cat([k, v], dim=-1)  # one ring step carries both
+            chunks = [None] * p
+            cur = kv
+            for step in range(p):
+                chunks[(r - step) % p] = cur
+                if step < p - 1:
+                    cur = ring_exchange(cur, group, shift=1, tag="tp.sequence.ring")
+            kv_all = torch.cat(chunks, dim=-2)  # (B, h, T, 2d), by global position
+            ct = _compute_dtype(q)  # half inputs keep their softmax statistics in float32
+            qc = q.to(ct)
+            row_max = qc.new_full((*q.shape[:-1], 1), float("-inf"))
+            row_sum = qc.new_zeros((*q.shape[:-1], 1))
+            acc = torch.zeros_like(qc)
+            for j, a, b in _key_blocks(p, r, t, causal):
+                blk = kv_all[..., j * t + a : j * t + b, :].to(ct)
+                s = _block_scores(qc, blk[..., :d], scale, r * t, j * t + a, causal, key_mask)
+                new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+                s.sub_(new_max).exp_()  # s is now the block's unnormalised probabilities
+                rescale = (row_max - new_max).exp_()
+                row_sum.mul_(rescale).add_(s.sum(dim=-1, keepdim=True))
+                acc.mul_(rescale).add_(s @ blk[..., d:])
+                row_max = new_max
+            if causal and r < p - 1:  # a row with no key to attend averages all T values, as the dense
+                empty = row_max == torch.finfo(ct).min  # form's lowest-value mask does (future keys too)
+                if empty.any():
+                    acc = torch.where(empty, kv_all[..., d:].to(ct).sum(dim=-2, keepdim=True), acc)
+                    row_sum = torch.where(empty, float(kv_all.shape[-2]), row_sum)
+            out = acc.div_(row_sum).to(q.dtype)
+        # the row statistics (B, h, t, 1) (float32 for half inputs), not a log-sum-exp: a row with
+        # nothing to attend has max = the dtype's lowest value, where max + log(sum) rounds to max
+        ctx.save_for_backward(q, kv_all, out, row_max, row_sum, key_mask if key_mask is not None else q.new_empty(0))
+        ctx.group, ctx.causal, ctx.scale, ctx.has_mask = group, causal, scale, key_mask is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv_all, out, row_max, row_sum, key_mask = ctx.saved_tensors
+        key_mask = key_mask if ctx.has_mask else None
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        p, r, t, d = dist.get_world_size(group), dist.get_rank(group), q.shape[-2], q.shape[-1]
+        ct = _compute_dtype(q)
+        qc, grad_out = q.to(ct), grad_out.to(ct)
+        delta = (grad_out * out.to(ct)).sum(dim=-1, keepdim=True)  # (B, h, t, 1)
+        dq = torch.zeros_like(qc)
+        dkv = torch.zeros_like(kv_all, dtype=ct)  # this rank's contributions to every chunk's [dk, dv]
+        empty = row_max == torch.finfo(ct).min  # rows with nothing to attend: every score masked, so
+        empty = empty if empty.any() else None  # no score gradient (dq, dk), only the values' average
+        for j, a, b in _key_blocks(p, r, t, causal):
+            blk = kv_all[..., j * t + a : j * t + b, :].to(ct)
+            probs = _block_scores(qc, blk[..., :d], scale, r * t, j * t + a, causal, key_mask)
+            probs = probs.sub_(row_max).exp_().div_(row_sum)
+            dkv[..., j * t + a : j * t + b, d:] += probs.transpose(-1, -2) @ grad_out
+            ds = (grad_out @ blk[..., d:].transpose(-1, -2)).sub_(delta).mul_(probs).mul_(scale)
+            if empty is not None:
+                ds.masked_fill_(empty, 0.0)
+            dq += ds @ blk[..., :d]
+            dkv[..., j * t + a : j * t + b, :d] += ds.transpose(-1, -2) @ qc
+        if causal and r < p - 1 and empty is not None:  # those rows averaged the later chunks' values too
+            dkv[..., (r + 1) * t :, d:] += (grad_out * empty / row_sum).sum(dim=-2, keepdim=True)
+        parts = dkv.to(kv_all.dtype).split(t, dim=-2)
+        acc = parts[(r - 1) % p].contiguous()  # ring reduce: after P-1 steps we hold our own chunk's sum
+        for step in range(1, p):
+            acc = ring_exchange(acc, group, shift=1, tag="tp.sequence.ring.bwd") + parts[(r - 1 - step) % p]
+        return dq.to(q.dtype), acc[..., :d], acc[..., d:], None, None, None, None
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,6 +210,12 @@ def ring_attention(
     (the whole sequence, ``False`` = padding) hides keys; ``scale`` defaults to ``1/sqrt(d)``;
     ``dropout_p`` drops attention probabilities (training)."""
     p, r, t = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
+    if dropout_p == 0.0:
+        with torch.profiler.record_function("colossal.tensor_parallel::ring_attention"):
+            mask = None if key_mask is None else key_mask.bool()
+            return _RingAttention.apply(
+                q, k, v, group, causal, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, mask
+            )
     with torch.profiler.record_function("colossal.tensor_parallel::ring_qk"):
         scores = torch.cat([q @ kc.transpose(-1, -2) for kc in _ring_chunks(k, group)], dim=-1)  # (B,h,t,T)
         scores = scores * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
