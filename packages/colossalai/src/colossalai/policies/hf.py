@@ -127,6 +127,20 @@ class HFPolicy:
                 "GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM, ViTForImageClassification"
             )
 
+    def init_weights(self, model: nn.Module) -> None:
+        """Initialise the real modules of a model built on the meta device (pipeline parallel: this
+        rank's stages) with the model's own ``_init_weights``, each module after its children as
+        ``transformers`` does, so the distributions and the non-persistent buffers (BERT's
+        ``position_ids``) are the model's. Modules holding a meta tensor (other stages') are skipped."""
+        init = getattr(model, "_init_weights", None)
+        if init is None:
+            raise NotImplementedError(f"{self.model_type}: {type(model).__name__} has no _init_weights to run")
+        with torch.no_grad():
+            for module in reversed(list(model.modules())):  # children before their parent
+                tensors = [*module.parameters(), *module.buffers()]
+                if tensors and not any(t.is_meta for t in tensors):
+                    init(module)
+
     def stage_fns(self, model: nn.Module, device: torch.device):
         """``(embed, head, block_call)`` of the pipeline stages (:func:`.hf_pipeline.hf_stage_fns`)."""
         from colossalai.policies.hf_pipeline import hf_stage_fns
@@ -224,6 +238,7 @@ class GPT2Policy(HFPolicy):
 
         p = dist.get_world_size(group)
         blocks = [(n, m) for n, m in model.named_modules() if re.search(r"(^|\.)h\.\d+$", n)]
+        blocks = [(n, m) for n, m in blocks if not any(p.is_meta for p in m.parameters())]  # pp: other stages'
         built = []
         for name, block in blocks:
             c = block.attn.split_size

@@ -240,7 +240,8 @@ class HybridParallelPlugin(Plugin):
                 blocks=getattr(policy, "pp_blocks", None),
             )  # fmt: skip
         if pp_cfg is not None and any(t.is_meta for t in model.parameters()):  # only this rank's stages
-            materialize_stages(model, mesh, pp_cfg, self.device)
+            hf = policy if getattr(policy, "pp_blocks", None) is not None else None
+            materialize_stages(model, mesh, pp_cfg, self.device, hf)
         else:
             model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
@@ -434,6 +435,12 @@ class HybridParallelPlugin(Plugin):
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names included
         local = self._zero.full_model_state_dict() if self._zero is not None else module.state_dict()
         local = {n: t for n, t in local.items() if not t.is_meta}  # pipeline: this rank's stages only
+        if self._zero is not None and self._pipe is not None:  # ZeRO's stage view names a tie once
+            first = {}
+            for n, p in params.items():
+                alias = first.setdefault(id(p), n)
+                if alias in local and n not in local:
+                    local[n] = local[alias]
         return {n: self._to_portable(n, t.detach().to(self.device)) if n in params else t for n, t in local.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:
