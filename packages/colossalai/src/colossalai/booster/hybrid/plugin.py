@@ -115,9 +115,12 @@ class HybridParallelPlugin(Plugin):
     dense name. With ``zero_stage`` 1/2 dense states shard over dp and expert states over ``edp``
     (:mod:`colossalai.booster.hybrid.ep_zero`); with ``pp_size > 1`` the MoE aux losses are added
     per stage (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
+    With ``sp_size > 1`` a Mixtral's experts split over the ``dp x sp`` ranks (its routing is
+    dropless and per token; ``colossal.moe.MoE`` layers, whose capacity and aux loss are per rank,
+    raise ``ValueError``: ``[Note: expert x sequence parallelism]`` in :mod:`colossalai.booster.hybrid.ep`).
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
-    Booster refuses it when built). ``ep_size > 1`` with ``sp_size > 1`` or a ``tp_mode`` other
-    than 1d raises ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp and pp).
+    Booster refuses it when built). ``ep_size > 1`` with a ``tp_mode`` other than 1d raises
+    ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp, pp and, for Mixtral, sp).
     """
 
     name = "hybrid"
@@ -154,12 +157,10 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {pp_schedule!r}")
         check_layout(tp_size, tp_mode, tp_depth)
         if ep_size > 1:  # see [Note: expert parallelism in the hybrid plugin] for what composes
-            bad = {"sp_size": sp_size} if sp_size > 1 else {}
-            bad |= {"tp_mode": repr(tp_mode)} if tp_size > 1 and tp_mode != "1d" else {}
-            if bad:
+            if tp_size > 1 and tp_mode != "1d":
                 raise ValueError(
-                    f"ep_size={ep_size} composes with dp (DDP or zero_stage 1/2), 1D tp and pp, not with "
-                    f"{', '.join(f'{k}={v}' for k, v in bad.items())} (unsupported combination)"
+                    f"ep_size={ep_size} composes with dp (DDP or zero_stage 1/2), 1D tp, pp and (Hugging Face "
+                    f"Mixtral) sp, not with tp_mode={tp_mode!r} (unsupported combination)"
                 )
         self.plan = None if plan is None else check_user_plan(plan)
         """The user's module-name pattern -> Style(s) (``[Note: one plan for tensor and sequence
@@ -225,7 +226,7 @@ class HybridParallelPlugin(Plugin):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
-            check_ep(model, self.ep_size, self.dp_size())
+            check_ep(model, self.ep_size, self.dp_size() * self.sp_size, self.sp_size)
         plan = model_plan(
             model, self.plan, tp_size=self.tp_size, sp_size=self.sp_size, tp_mode=self.tp_mode,
             sp_kind=self.sp_kind, pp_size=self.pp_size,
