@@ -64,7 +64,7 @@ BAD_TRAIN = [
     ),
     (
         ["--model", "moe-gpt", *HYBRID, "--ep-size", "2", "--sp-size", "2", "--nproc", "4"],
-        "ep_size=2 composes with dp (DDP or zero_stage 1/2), 1D tp and pp, not with sp_size=2",
+        "--ep-size 2 with --sp-size 2: the MoE GPT's capacity and aux loss are per rank, i.e. per sequence chunk",
     ),
     (["--model", "moe-gpt", "--preset", "tiny"], "--preset tiny is not a --model moe-gpt preset"),
     (["--preset", "moe-tiny"], "--preset moe-tiny is not a --model gpt preset"),

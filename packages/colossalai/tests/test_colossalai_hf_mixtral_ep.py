@@ -2,7 +2,9 @@
 
 A tiny random ``MixtralForCausalLM`` (4 experts, top-2; built locally, never downloaded) trains 3
 steps with AdamW under ep=2 on 2 ranks, ep2 x dp2 (DDP and ZeRO-2) and ep2 x tp2 on 4 ranks, with
-and without the model's own router aux loss (``output_router_logits=True``), against plain PyTorch
+and without the model's own router aux loss (``output_router_logits=True``), and ep2 x sp2 (ring
+attention; the experts split over the sp ranks on 2 ranks, over dp x sp with DDP and ZeRO-2 on 4;
+``[Note: expert x sequence parallelism]``; without the aux loss, refused under sp), against plain PyTorch
 on the same unwrapped model: each step averages the losses of the dp ranks' rows of the global batch (the
 aux loss is per forward, so the reference runs each rank's rows as its own forward, as DDP's
 average of the ranks' losses does). fp32, rtol 1e-5: the same sums in another order (grouped
@@ -36,6 +38,9 @@ CASES = {  # name -> (world, plugin kwargs, router aux loss)
     "ep2xdp2-aux": (4, dict(tp_size=1, ep_size=2), True),
     "ep2xtp2-aux": (4, dict(tp_size=2, ep_size=2), True),
     "ep2xdp2-zero2": (4, dict(tp_size=1, ep_size=2, zero_stage=2), False),
+    "ep2xsp2": (2, dict(tp_size=1, ep_size=2, sp_size=2), False),  # the ep group is the sp group
+    "ep2xsp2xdp2": (4, dict(tp_size=1, ep_size=2, sp_size=2), False),
+    "ep2xsp2xdp2-zero2": (4, dict(tp_size=1, ep_size=2, sp_size=2, zero_stage=2), False),
 }
 
 
@@ -133,7 +138,7 @@ def test_mixtral_expert_parallel_trains_like_plain_pytorch(tmp_path, world):
     for name, (w, kw, aux) in CASES.items():
         if w != world:
             continue
-        want = torch.tensor(reference_losses(aux, world // kw["tp_size"]))
+        want = torch.tensor(reference_losses(aux, world // (kw["tp_size"] * kw.get("sp_size", 1))))
         for rank, got in enumerate(results):
             torch.testing.assert_close(torch.tensor(got[name]), want, rtol=1e-5, atol=0, msg=f"{name} rank {rank}")
     if world == 4:

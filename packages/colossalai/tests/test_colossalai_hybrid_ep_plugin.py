@@ -147,9 +147,10 @@ def _bad_configs():
         boost(HybridParallelPlugin(tp_size=1, ep_size=2), build_gpt("tiny", seed=0))
     with pytest.raises(ValueError, match="ep_size must be a positive int, got 0"):
         HybridParallelPlugin(tp_size=1, ep_size=0)
-    for bad in ({"tp_size": 4, "tp_mode": "2d"}, {"tp_size": 1, "sp_size": 2}):
-        with pytest.raises(ValueError, match=r"ep_size=2 composes with dp .*\(unsupported combination\)"):
-            HybridParallelPlugin(ep_size=2, **bad)
+    with pytest.raises(ValueError, match=r"ep_size=2 composes with dp .*\(unsupported combination\)"):
+        HybridParallelPlugin(ep_size=2, tp_size=4, tp_mode="2d")
+    with pytest.raises(ValueError, match=r"ep_size=2 with sp_size=2: \['blocks\.\d\.mlp'.* are colossal\.moe\.MoE"):
+        boost(HybridParallelPlugin(tp_size=1, sp_size=2, ep_size=2), build_moe_gpt("moe-tiny", seed=0))
     dist.barrier()  # every rank got here: nothing above started a collective
     return True
 

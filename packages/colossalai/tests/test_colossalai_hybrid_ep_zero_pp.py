@@ -118,11 +118,14 @@ def test_ep_zero_checkpoint_resumes_across_layouts(tmp_path, pair):
 def _unsupported():
     import torch.distributed as dist
 
-    from colossalai import HybridParallelPlugin
+    from colossalai import Booster, HybridParallelPlugin
+    from colossalai.models import build_moe_gpt
 
-    for bad, named in (({"sp_size": 2}, "sp_size=2"), ({"tp_size": 4, "tp_mode": "2d"}, "tp_mode='2d'")):
-        with pytest.raises(ValueError, match=f"not with {named} \\(unsupported combination\\)"):
-            HybridParallelPlugin(ep_size=2, **bad)
+    with pytest.raises(ValueError, match="not with tp_mode='2d' \\(unsupported combination\\)"):
+        HybridParallelPlugin(ep_size=2, tp_size=4, tp_mode="2d")
+    model = build_moe_gpt("moe-tiny", seed=0)  # capacity and aux loss per rank: not per sequence chunk
+    with pytest.raises(ValueError, match="with sp_size=2: .* are colossal.moe.MoE layers.*unsupported combination"):
+        Booster(plugin=HybridParallelPlugin(tp_size=1, sp_size=2, ep_size=2)).boost(model)
     dist.barrier()  # nothing above started a collective
     return True
 

@@ -204,6 +204,12 @@ def _check_moe(args: argparse.Namespace, config, plugin, dp: int, name: str) -> 
         if ep > 1:
             raise UsageError(f"--ep-size {ep} needs a model with experts (--model moe-gpt), got --model {args.model}")
         return
+    sp = getattr(plugin, "sp_size", 1)
+    if ep > 1 and sp > 1:  # what check_ep refuses: [Note: expert x sequence parallelism]
+        raise UsageError(
+            f"--ep-size {ep} with --sp-size {sp}: the MoE GPT's capacity and aux loss are per rank, i.e. per "
+            "sequence chunk (expert x sequence parallelism is for Hugging Face Mixtral)"
+        )
     if dp % ep:
         raise UsageError(f"--ep-size {ep} must divide the data-parallel size {dp}")
     if config.num_experts % ep:

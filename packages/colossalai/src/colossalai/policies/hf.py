@@ -18,7 +18,13 @@ sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
   embeddings on the first, final norm and head (``pp_head``) on the last; each stage runs the
   model's own forward cut at block boundaries, with the user's ``attention_mask`` and position ids
   (:mod:`.hf_pipeline`). Composes with 1D tensor parallelism and data parallelism; not with
-  sequence parallelism. Mixtral and other heads of these families raise ``NotImplementedError``.
+  sequence parallelism. ``MixtralForCausalLM`` too (as Llama). Other heads of these families raise
+  ``NotImplementedError``.
+  [Note: Mixtral's router aux loss under pp] ``transformers``' load-balancing loss is
+  ``E * sum_e mean(tokens routed to e) * mean(router prob of e)``, each mean over the tokens of
+  *every* layer together: a product of whole-model means, not a sum of per-layer terms, so no stage
+  can add its share. A Mixtral with ``output_router_logits=True`` is refused under pp (before any
+  collective); with it off the pipeline trains the cross entropy exactly as the model does.
 * **Expert parallel** (families with :attr:`HFPolicy.experts`, Mixtral): ``ep_size > 1`` replaces
   each sparse-MoE block by one holding this rank's experts (:mod:`.hf_moe`), composed with dp and
   1D tp by :mod:`colossalai.booster.hybrid.ep`.
@@ -87,6 +93,12 @@ class HFPolicy:
                 f"{self.model_type}: all_to_all attention needs the heads per tp rank ({heads} / {tp_size}) "
                 f"divisible by sp_size={sp_size}"
             )
+        if sp_size > 1 and self.experts is not None and getattr(cfg, "output_router_logits", False):
+            raise NotImplementedError(
+                f"{self.model_type}: sequence parallelism (sp_size={sp_size}) with config.output_router_logits=True: "
+                "the router aux loss is a product of means over every token of the forward, and each rank "
+                "routes only its sequence chunk; train with output_router_logits=False under sp"
+            )
         if sp_size > 1:
             from colossalai.policies.hf_sequence import check_sequence
 
@@ -118,6 +130,12 @@ class HFPolicy:
                 f"{self.model_type}: {n} layers ({self.pp_blocks}) must be divisible by pp_size={pp_size} "
                 "(one equal share of the layers per stage)"
             )
+        if getattr(_config(model), "output_router_logits", False):  # [Note: Mixtral's router aux loss under pp]
+            raise NotImplementedError(
+                f"{self.model_type}: pipeline parallelism (pp_size={pp_size}) with config.output_router_logits=True: "
+                "the router aux loss is one product of means over every layer's router logits, which no stage "
+                "holds together; train with output_router_logits=False under pp, or without pp"
+            )
         if getattr(_config(model), "is_decoder", False) and self.model_type == "bert":
             raise NotImplementedError("bert: pipeline parallelism of a decoder (config.is_decoder); supported: encoder")
         base = model.get_submodule(self.pp_blocks.split(".")[0])
@@ -126,6 +144,20 @@ class HFPolicy:
                 f"{self.model_type}: pipeline parallelism of {type(model).__name__} (a pooler head); supported: "
                 "GPT2LMHeadModel, LlamaForCausalLM, BertForMaskedLM, ViTForImageClassification"
             )
+
+    def init_weights(self, model: nn.Module) -> None:
+        """Initialise the real modules of a model built on the meta device (pipeline parallel: this
+        rank's stages) with the model's own ``_init_weights``, each module after its children as
+        ``transformers`` does, so the distributions and the non-persistent buffers (BERT's
+        ``position_ids``) are the model's. Modules holding a meta tensor (other stages') are skipped."""
+        init = getattr(model, "_init_weights", None)
+        if init is None:
+            raise NotImplementedError(f"{self.model_type}: {type(model).__name__} has no _init_weights to run")
+        with torch.no_grad():
+            for module in reversed(list(model.modules())):  # children before their parent
+                tensors = [*module.parameters(), *module.buffers()]
+                if tensors and not any(t.is_meta for t in tensors):
+                    init(module)
 
     def stage_fns(self, model: nn.Module, device: torch.device):
         """``(embed, head, block_call)`` of the pipeline stages (:func:`.hf_pipeline.hf_stage_fns`)."""
@@ -224,6 +256,7 @@ class GPT2Policy(HFPolicy):
 
         p = dist.get_world_size(group)
         blocks = [(n, m) for n, m in model.named_modules() if re.search(r"(^|\.)h\.\d+$", n)]
+        blocks = [(n, m) for n, m in blocks if not any(p.is_meta for p in m.parameters())]  # pp: other stages'
         built = []
         for name, block in blocks:
             c = block.attn.split_size
@@ -266,6 +299,7 @@ HF_POLICIES: dict[str, HFPolicy] = {
         gather_after=r"model\.norm|^norm",
         rotary=r"rotary_emb",
         experts=r"layers\.\d+\.(mlp|block_sparse_moe)",  # transformers 5.x | 4.x (refused: not stacked)
+        pp_blocks="model.layers",
     ),
     "bert": HFPolicy(
         model_type="bert",
@@ -296,7 +330,9 @@ HF_POLICIES: dict[str, HFPolicy] = {
 * ``mixtral``: Llama attention split the same way; the sparse-MoE router is replicated on every
   rank and the experts are replicated on every tp rank, or, with ``ep_size > 1``, split over the
   ``ep`` group (each ``layers.N.mlp`` becomes a :class:`~colossalai.policies.hf_moe.MixtralExpertParallelBlock`
-  that keeps Mixtral's routing and names; ``[Note: Mixtral's routing, kept exactly]``). No pipeline.
+  that keeps Mixtral's routing and names; ``[Note: Mixtral's routing, kept exactly]``). Pipeline:
+  ``model.layers`` split into stages as Llama's (``MixtralForCausalLM``, composes with ``ep_size``),
+  without the router aux loss (``[Note: Mixtral's router aux loss under pp]``).
 * ``bert``: bidirectional attention (``query/key/value`` column-, ``attention.output.dense``
   row-, ``intermediate.dense`` column-, ``output.dense`` row-parallel); sequence parallel splits
   after ``embeddings`` and gathers after ``encoder``, keeping the padding mask. Pipeline:

@@ -1,4 +1,4 @@
-"""Pipeline stages of Hugging Face models (GPT-2 and Llama causal LMs, BERT masked LM, ViT image
+"""Pipeline stages of Hugging Face models (GPT-2, Llama and Mixtral causal LMs, BERT masked LM, ViT image
 classifier): what each stage of ``colossal.pipeline`` runs in place of the model's own ``forward``.
 
 [Note: a Hugging Face model cut into pipeline stages]
@@ -8,14 +8,14 @@ The split itself is data for ``colossal.pipeline``: the policy names the block s
 head after it to the last. What a stage *runs* is the model's own forward, cut at the block
 boundaries:
 
-* **first stage** (``embed``): GPT-2 ``drop(wte(ids) + wpe(positions))``; Llama
+* **first stage** (``embed``): GPT-2 ``drop(wte(ids) + wpe(positions))``; Llama and Mixtral
   ``embed_tokens(ids)``; BERT ``bert.embeddings(ids, position_ids, token_type_ids)``; ViT
   ``vit.embeddings(pixel_values)``.
 * **every block** (``block_call``): the layer with the arguments the model's forward gives it: the
   4-D attention mask that ``transformers.masking_utils`` builds from the user's ``attention_mask``
   (``create_causal_mask``: causal plus key padding; ``create_bidirectional_mask`` for BERT and
   ViT; each for the model's attention implementation), for the decoders the ``position_ids``,
-  ``use_cache=False`` and no cache; Llama also gets the rotary ``(cos, sin)`` of those positions.
+  ``use_cache=False`` and no cache; Llama and Mixtral also get the rotary ``(cos, sin)`` of those positions.
   Mask and angles are built once per micro-batch on each rank (kept in the micro-batch's extras
   dict, ``[Note: per-micro-batch extras]`` in ``colossal.pipeline.stages``), since every rank is
   handed the whole batch.
@@ -44,6 +44,7 @@ __all__ = ["PIPELINE_INPUTS", "hf_stage_fns"]
 PIPELINE_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gpt2": ("input_ids", ("attention_mask", "position_ids")),
     "llama": ("input_ids", ("attention_mask", "position_ids")),
+    "mixtral": ("input_ids", ("attention_mask", "position_ids")),
     "bert": ("input_ids", ("attention_mask", "position_ids", "token_type_ids")),
     "vit": ("pixel_values", ()),
 }
@@ -158,7 +159,7 @@ def hf_stage_fns(model_type: str, model: nn.Module, device: torch.device):
     it before the pipeline splits the model (Llama copies its rotary embedding)."""
     if model_type == "gpt2":
         return _gpt2_embed, _gpt2_head, functools.partial(_gpt2_block, model)
-    if model_type == "llama":
+    if model_type in ("llama", "mixtral"):  # the same decoder call (Mixtral's sparse-MoE block inside)
         return _llama_embed, _llama_head, functools.partial(_llama_block, model, _private_rotary(model, device))
     if model_type == "bert":
         return _bert_embed, _bert_head, functools.partial(_bert_block, model)

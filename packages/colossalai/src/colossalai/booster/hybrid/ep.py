@@ -14,9 +14,10 @@ parallelism and pipeline parallelism:
    which its policy replaces by :class:`~colossalai.policies.hf_moe.MixtralExpertParallelBlock`),
    each layer's expert count is divisible by ``E``.
 2. ``configure``: after tensor-parallel conversion (1D only: the MoE layers are not converted, so
-   every tp rank of a dp rank holds the same experts and routes the same tokens; sp and
-   2D/2.5D/3D tp raise ``ValueError`` in the plugin's constructor) and before the pipeline cuts
-   the model (so its stages capture the local experts) and before DDP or ZeRO,
+   every tp rank of a dp rank holds the same experts and routes the same tokens; 2D/2.5D/3D tp
+   raise ``ValueError`` in the plugin's constructor; sp: ``[Note: expert x sequence
+   parallelism]``) and before the pipeline cuts the model (so its stages capture the local
+   experts) and before DDP or ZeRO,
    :func:`apply_expert_parallel` swaps each ``MoE`` for its local slice in place, then the
    optimizer is rebound by name.
 3. DDP ignores the expert parameters (under the wrapped module's names), so it averages dense
@@ -35,6 +36,19 @@ parallelism and pipeline parallelism:
 6. The Booster adds ``model.aux_loss()`` to the criterion's loss (``Booster(moe_aux_loss=True)``,
    the default), whichever plugin runs; under pipeline parallelism per stage
    (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
+
+[Note: expert x sequence parallelism]
+With ``sp_size > 1`` the plugin's data-parallel group is ``dp x sp`` (sp ranks hold different
+tokens of the same rows), and the experts are split over it as over plain dp: ``ep`` consecutive
+ranks of ``dp x sp`` share out the experts, ``edp`` is the rest. A Hugging Face Mixtral block is
+per token and dropless (every assignment runs), so routing a sequence's ``T/sp`` chunks on
+different ranks computes exactly what one forward of the whole rows does; every gradient entering
+the sequence-parallel model is scaled by ``sp`` (``[Note: sequence-parallel gradients]``), experts'
+included, so summing expert gradients over ``edp`` and dividing by ``|dp x sp|`` gives the mean
+over ``dp`` of the full gradients, as for the dense ones. Not so for ``colossal.moe.MoE`` (capacity
+and load-balancing loss per rank, i.e. per ``T/sp`` chunk) nor for a Mixtral trained with its
+router aux loss (``output_router_logits=True``: a product of means over every token of the
+forward): both raise before any collective (:func:`check_ep`, the Mixtral policy's ``check``).
 """
 
 from __future__ import annotations
@@ -188,9 +202,10 @@ def expert_layers(model: nn.Module) -> dict[str, ExpertLayer]:
     return layers
 
 
-def check_ep(model: nn.Module, ep_size: int, dp_size: int) -> dict[str, ExpertLayer]:
+def check_ep(model: nn.Module, ep_size: int, dp_size: int, sp_size: int = 1) -> dict[str, ExpertLayer]:
     """The model's expert layers (:func:`expert_layers`), once ``ep_size`` is checked against them
-    and against the data-parallel size; raises ``ValueError`` naming the bad values. Local: no collective."""
+    and against the data-parallel size (``dp x sp`` ranks with sequence parallelism, ``[Note: expert x
+    sequence parallelism]``); raises ``ValueError`` naming the bad values. Local: no collective."""
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1 or dp_size % ep_size:
         raise ValueError(f"ep_size={ep_size!r} must be a positive int dividing the data-parallel size {dp_size}")
     layers = expert_layers(model)
@@ -198,6 +213,14 @@ def check_ep(model: nn.Module, ep_size: int, dp_size: int) -> dict[str, ExpertLa
         raise ValueError(
             f"ep_size={ep_size}: the model has no colossal.moe.MoE layer (nor Hugging Face Mixtral sparse-MoE "
             f"block) to split over experts"
+        )
+    capped = sorted(n for n, m in layers.items() if isinstance(m.module, MoE))
+    if sp_size > 1 and capped:
+        raise ValueError(
+            f"ep_size={ep_size} with sp_size={sp_size}: {capped} are colossal.moe.MoE layers, whose expert "
+            f"capacity and aux loss are per rank; under sequence parallelism each rank would route, cap and "
+            f"balance only its T/{sp_size} tokens of every sequence, which no dense forward does (unsupported "
+            f"combination; expert x sequence parallelism is for Hugging Face Mixtral's dropless blocks)"
         )
     for n, m in layers.items():
         if m.ep_size != 1:

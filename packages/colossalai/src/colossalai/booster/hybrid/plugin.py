@@ -115,9 +115,12 @@ class HybridParallelPlugin(Plugin):
     dense name. With ``zero_stage`` 1/2 dense states shard over dp and expert states over ``edp``
     (:mod:`colossalai.booster.hybrid.ep_zero`); with ``pp_size > 1`` the MoE aux losses are added
     per stage (``[Note: MoE auxiliary losses]`` in :mod:`colossalai.booster.booster`).
+    With ``sp_size > 1`` a Mixtral's experts split over the ``dp x sp`` ranks (its routing is
+    dropless and per token; ``colossal.moe.MoE`` layers, whose capacity and aux loss are per rank,
+    raise ``ValueError``: ``[Note: expert x sequence parallelism]`` in :mod:`colossalai.booster.hybrid.ep`).
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
-    Booster refuses it when built). ``ep_size > 1`` with ``sp_size > 1`` or a ``tp_mode`` other
-    than 1d raises ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp and pp).
+    Booster refuses it when built). ``ep_size > 1`` with a ``tp_mode`` other than 1d raises
+    ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp, pp and, for Mixtral, sp).
     """
 
     name = "hybrid"
@@ -154,12 +157,10 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"pp_schedule must be one of {SCHEDULES}, got {pp_schedule!r}")
         check_layout(tp_size, tp_mode, tp_depth)
         if ep_size > 1:  # see [Note: expert parallelism in the hybrid plugin] for what composes
-            bad = {"sp_size": sp_size} if sp_size > 1 else {}
-            bad |= {"tp_mode": repr(tp_mode)} if tp_size > 1 and tp_mode != "1d" else {}
-            if bad:
+            if tp_size > 1 and tp_mode != "1d":
                 raise ValueError(
-                    f"ep_size={ep_size} composes with dp (DDP or zero_stage 1/2), 1D tp and pp, not with "
-                    f"{', '.join(f'{k}={v}' for k, v in bad.items())} (unsupported combination)"
+                    f"ep_size={ep_size} composes with dp (DDP or zero_stage 1/2), 1D tp, pp and (Hugging Face "
+                    f"Mixtral) sp, not with tp_mode={tp_mode!r} (unsupported combination)"
                 )
         self.plan = None if plan is None else check_user_plan(plan)
         """The user's module-name pattern -> Style(s) (``[Note: one plan for tensor and sequence
@@ -225,7 +226,7 @@ class HybridParallelPlugin(Plugin):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
-            check_ep(model, self.ep_size, self.dp_size())
+            check_ep(model, self.ep_size, self.dp_size() * self.sp_size, self.sp_size)
         plan = model_plan(
             model, self.plan, tp_size=self.tp_size, sp_size=self.sp_size, tp_mode=self.tp_mode,
             sp_kind=self.sp_kind, pp_size=self.pp_size,
@@ -240,7 +241,8 @@ class HybridParallelPlugin(Plugin):
                 blocks=getattr(policy, "pp_blocks", None),
             )  # fmt: skip
         if pp_cfg is not None and any(t.is_meta for t in model.parameters()):  # only this rank's stages
-            materialize_stages(model, mesh, pp_cfg, self.device)
+            hf = policy if getattr(policy, "pp_blocks", None) is not None else None
+            materialize_stages(model, mesh, pp_cfg, self.device, hf)
         else:
             model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
@@ -434,6 +436,12 @@ class HybridParallelPlugin(Plugin):
         params = dict(module.named_parameters(remove_duplicate=False))  # tied names included
         local = self._zero.full_model_state_dict() if self._zero is not None else module.state_dict()
         local = {n: t for n, t in local.items() if not t.is_meta}  # pipeline: this rank's stages only
+        if self._zero is not None and self._pipe is not None:  # ZeRO's stage view names a tie once
+            first = {}
+            for n, p in params.items():
+                alias = first.setdefault(id(p), n)
+                if alias in local and n not in local:
+                    local[n] = local[alias]
         return {n: self._to_portable(n, t.detach().to(self.device)) if n in params else t for n, t in local.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict) -> None:

@@ -23,8 +23,13 @@ tensor and dropped), any other model through ``reset_parameters()`` of every mod
 ``modules()`` order, another stage's module on a throw-away copy (``[Note: same initial values
 as a dense build]`` in ``colossal.pipeline.stages``). Dense build here means what the Booster does
 for a meta model without pp (``materialize()``, or ``to_empty`` + ``reset_parameters``), seeded by
-the global random state at ``boost`` time. Tensor parallelism then converts the stage's (dense)
-modules, so a rank's peak is its stages' dense size plus one other module or parameter.
+the global random state at ``boost`` time. A Hugging Face model (a built-in policy) is
+initialised instead by its own ``_init_weights`` on this rank's modules (``HFPolicy.init_weights``):
+the distributions and non-persistent buffers of ``transformers``, not the values of a dense build
+(its initialiser walks the whole model in its own order); such a model is usually then loaded
+with ``booster.load_pretrained``, each rank reading its stages' tensors. Tensor parallelism
+then converts the stage's (dense) modules, so a rank's peak is its stages' dense size plus one
+other module or parameter.
 
 [Note: sequence x pipeline parallel]
 With ``sp_size > 1`` every rank still passes the whole ``(B, T)`` batch to the pipeline; the
@@ -111,13 +116,18 @@ def pipeline_config(model: nn.Module, *, num_microbatches: int, schedule: str, v
     )  # fmt: skip
 
 
-def materialize_stages(model: nn.Module, mesh, cfg, device: torch.device) -> None:
+def materialize_stages(model: nn.Module, mesh, cfg, device: torch.device, policy=None) -> None:
     """Allocate and initialise only this rank's pipeline stages of a meta-device ``model`` (the
-    other stages stay meta), with the values of a dense build from the same random state
-    (``[Note: meta construction under pp]``). Communicates nothing."""
+    other stages stay meta), with the values of a dense build from the same random state, or (a
+    Hugging Face ``policy``) with the model's own initialiser (``[Note: meta construction under
+    pp]``). Communicates nothing."""
     from colossal.pipeline import materialize_owned, stage_tensor_names
 
     owned = stage_tensor_names(model, cfg, mesh.axes["pp"], mesh.coordinate("pp"))
+    if policy is not None:  # transformers' _init_weights per real module
+        materialize_owned(model, owned, device, lambda m: None)
+        policy.init_weights(model)
+        return
     whole_model_init = callable(getattr(model, "init_weights", None)) and hasattr(model, "materialize")
     materialize_owned(model, owned, device, (lambda m: None) if whole_model_init else None)
     if whole_model_init:  # colossalai's GPT / PaLM: their own initialiser skips meta tensors
