@@ -6,9 +6,13 @@ and gathers the CLS tokens before the replicated classifier (``Style.GATHER``).
 
 Each mode trains the tiny ViT of ``hf_models`` (hidden 32, 4 heads, 16x16 images in 4x4 patches,
 random weights, nothing downloaded) 3 steps with AdamW against plain PyTorch. Tolerance: fp32,
-1e-5 relative on the per-step losses and on the trained weights gathered into the Hugging Face
-state dict (the same sums in another order: blockwise matmuls, LayerNorm statistics summed over
-hidden blocks; measured differences are a few ulp).
+1e-5 relative on the per-step losses (the same sums in another order: blockwise matmuls,
+LayerNorm statistics summed over hidden blocks; measured differences are 1-2 ulp). The trained
+weights, gathered into the Hugging Face state dict (names, dense shapes), match to 1e-5 absolute
+(lr 1e-2: a thousandth of one step; measured at most 2.7e-6): Adam divides each gradient by its
+own magnitude, so an element whose gradient is tiny turns reduction-order rounding into a visible
+step. ``attention.k_proj.bias`` is left out of that check: its exact gradient is zero (softmax
+ignores a score added to every key), so both runs step it by Adam-normalised rounding noise.
 """
 
 import pytest
@@ -54,7 +58,10 @@ def test_vit_grid_modes_train_like_plain_pytorch(mode, world, depth):
     for losses, got in run_distributed(_train, world, mode, world, depth, timeout=300):
         torch.testing.assert_close(torch.tensor(losses), want, rtol=1e-5, atol=0)
         assert list(got) == list(state)  # the Hugging Face names, in order
-        torch.testing.assert_close(got, dict(state), rtol=1e-5, atol=1e-6)
+        for name, want_t in state.items():
+            assert got[name].shape == want_t.shape, name
+            if not name.endswith("attention.k_proj.bias"):  # a zero gradient: see the module docstring
+                torch.testing.assert_close(got[name], want_t, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_vit_grid_shapes_that_do_not_split_raise_before_any_collective():
