@@ -38,7 +38,9 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 @dataclasses.dataclass(frozen=True)
 class HiddenLayout:
     """Where a mode puts the batch and the hidden size of the activations entering its first
-    layer, and how it stores a tensor over the hidden size (build with :meth:`of_2d` / :meth:`of_3d`)."""
+    layer, and how it stores a tensor over the hidden size (built by each mode:
+    :func:`~colossal.tensor_parallel.two_d.hidden_layout_2d`,
+    :func:`~colossal.tensor_parallel.three_d.hidden_layout_3d`)."""
 
     mode: str
     """``"2d"``, ``"2.5d"`` or ``"3d"`` (for messages)."""
@@ -103,7 +105,7 @@ class PatchEmbedding(nn.Module):
             )
         layout.check(conv.out_channels, "out_channels (hidden size)")
         self.layout = layout
-        self.conv = _CONV[conv.weight.dim() - 2]
+        self.conv_fn = _CONV[conv.weight.dim() - 2]  # F.conv1d / conv2d / conv3d
         self.options = {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
         """The dense convolution's geometry (kept as it was)."""
         self.split_rows = True
@@ -123,7 +125,7 @@ class PatchEmbedding(nn.Module):
                 x = self.layout.rows(x)  # checked before any collective: every rank sees the same B
             w = self.layout.gathered(self.weight, 0)  # (H/q, C, *kernel)
             b = None if self.bias is None else self.layout.gathered(self.bias, 0)
-            return self.conv(x, w, b, **self.options)
+            return self.conv_fn(x, w, b, **self.options)
 
 
 class VisionEmbedding:
