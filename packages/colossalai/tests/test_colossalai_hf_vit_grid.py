@@ -17,6 +17,7 @@ ignores a score added to every key), so both runs step it by Adam-normalised rou
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -51,17 +52,24 @@ def _train(mode: str, tp: int, depth: int):
     return losses, plugin.full_model_state_dict(holder["model"])
 
 
-@pytest.mark.parametrize(("mode", "world", "depth"), [("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)])
-def test_vit_grid_modes_train_like_plain_pytorch(mode, world, depth):
+def _train_modes(modes: list[tuple[str, int]]) -> dict:
+    """Every ``(mode, depth)`` in one spawn (8-rank spawns are the slow part of these tests)."""
+    return {mode: _train(mode, dist.get_world_size(), depth) for mode, depth in modes}
+
+
+@pytest.mark.parametrize(("world", "modes"), [(4, [("2d", 1)]), (8, [("2.5d", 2), ("3d", 1)])], ids=["2d", "2.5d+3d"])
+def test_vit_grid_modes_train_like_plain_pytorch(world, modes):
     want = torch.tensor(dense_losses(lambda: build("vit"), batches("vit"), loss))
     state = _dense_state()
-    for losses, got in run_distributed(_train, world, mode, world, depth, timeout=300):
-        torch.testing.assert_close(torch.tensor(losses), want, rtol=1e-5, atol=0)
-        assert list(got) == list(state)  # the Hugging Face names, in order
-        for name, want_t in state.items():
-            assert got[name].shape == want_t.shape, name
-            if not name.endswith("attention.k_proj.bias"):  # a zero gradient: see the module docstring
-                torch.testing.assert_close(got[name], want_t, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for results in run_distributed(_train_modes, world, modes, timeout=300):
+        for mode, (losses, got) in results.items():
+            torch.testing.assert_close(torch.tensor(losses), want, rtol=1e-5, atol=0, msg=lambda m, k=mode: f"{k}: {m}")
+            assert list(got) == list(state)  # the Hugging Face names, in order
+            for name, want_t in state.items():
+                assert got[name].shape == want_t.shape, name
+                if not name.endswith("attention.k_proj.bias"):  # a zero gradient: see the module docstring
+                    msg = lambda m, k=mode, n=name: f"{k} {n}: {m}"  # noqa: E731
+                    torch.testing.assert_close(got[name], want_t, rtol=1e-5, atol=1e-5, msg=msg)
 
 
 def test_vit_grid_shapes_that_do_not_split_raise_before_any_collective():
