@@ -7,7 +7,7 @@ One module per mode (:mod:`~colossal.tensor_parallel.one_d`, ``two_d``, ``two_p5
 """
 
 from colossal.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from colossal.tensor_parallel.hf import HF_TP_RULES, hf_plan
+from colossal.tensor_parallel.hf import HF_GRID_RULES, HF_TP_RULES, hf_plan
 from colossal.tensor_parallel.one_d import (
     Embedding1D,
     LayerNorm1D,
@@ -20,6 +20,13 @@ from colossal.tensor_parallel.one_d import (
     split_input_1d,
 )
 from colossal.tensor_parallel.parallelize import MODES, convert_dropouts, dropout_mode, parallelize
+from colossal.tensor_parallel.patch_embed import (
+    GatherInput,
+    HiddenLayout,
+    PatchEmbedding,
+    VisionEmbedding,
+    vision_factories,
+)
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, module_names, replace_module, resolve_plan
 from colossal.tensor_parallel.rng import DropoutMode, ParallelDropout, RNGTracker
 from colossal.tensor_parallel.sequence import (
@@ -43,6 +50,7 @@ from colossal.tensor_parallel.three_d import (
     apply_3d,
     cross_entropy_3d,
     gather_output_3d,
+    hidden_layout_3d,
     split_input_3d,
 )
 from colossal.tensor_parallel.two_d import (
@@ -55,6 +63,7 @@ from colossal.tensor_parallel.two_d import (
     apply_2d,
     cross_entropy_2d,
     gather_output_2d,
+    hidden_layout_2d,
     split_input_2d,
 )
 from colossal.tensor_parallel.two_p5_d import (
@@ -72,6 +81,13 @@ from colossal.tensor_parallel.two_p5_d import (
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
 __all__ = [
+    "GatherInput",
+    "HiddenLayout",
+    "VisionEmbedding",
+    "PatchEmbedding",
+    "vision_factories",
+    "hidden_layout_2d",
+    "hidden_layout_3d",
     "dropout_mode",
     "convert_dropouts",
     "parallelize",
@@ -132,6 +148,7 @@ __all__ = [
     "gpt_plan",
     "hf_plan",
     "HF_TP_RULES",
+    "HF_GRID_RULES",
     "module_names",
     "grid_side",
     "replace_module",

@@ -233,7 +233,8 @@ def apply_1d(
 ) -> nn.Module:
     """Convert ``model`` in place with ``plan`` (default :func:`gpt_plan`) over ``group``.
 
-    ``POS_EMBED`` and ``NORM`` stay replicated (unchanged modules). ``share_input_grad_sync``: see
+    ``POS_EMBED``, ``NORM``, ``PATCH_EMBED``, ``VISION_EMBED`` and ``GATHER`` stay replicated
+    (unchanged modules). ``share_input_grad_sync``: see
     ``[Note: one input all-reduce for q, k and v]`` in :func:`_share_input_grad_sync`."""
     factories = {
         Style.COL: lambda m: Linear1D.from_dense(m, group, "col"),
@@ -243,6 +244,9 @@ def apply_1d(
         Style.LM_HEAD: lambda m: VocabParallelLMHead1D.from_dense(m, group),
         Style.POS_EMBED: lambda m: None,
         Style.NORM: lambda m: None,
+        Style.PATCH_EMBED: lambda m: None,  # 1D activations are whole outside the split linears
+        Style.VISION_EMBED: lambda m: None,
+        Style.GATHER: lambda m: None,
     }
     plan = plan or gpt_plan("1d")
     with torch.profiler.record_function("colossal.tensor_parallel::apply_1d"):

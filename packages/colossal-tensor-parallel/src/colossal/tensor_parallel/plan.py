@@ -20,8 +20,10 @@ from colossal.tensor_parallel.validation import check_divisible
 
 __all__ = ["Style", "Factory", "gpt_plan", "module_names", "resolve_plan", "replace_module", "convert_model"]
 
-Factory = Callable[[nn.Module], nn.Module | None]
-"""Builds the parallel replacement of one dense module (``None``: keep the module as it is)."""
+Factory = Callable[[nn.Module], nn.Module | Callable[[nn.Module], None] | None]
+"""Builds the parallel replacement of one dense module (``None``: keep the module as it is; a
+callable that is not a module: a conversion applied to the module in place, after every
+replacement is built)."""
 
 
 class Style(enum.StrEnum):
@@ -45,6 +47,18 @@ class Style(enum.StrEnum):
     """A module with an ``n_head`` attribute: divided by the number of head shards."""
     ATTENTION = "attention"
     """Sequence parallel only: the attention core becomes ring / all-to-all attention."""
+    PATCH_EMBED = "patch_embed"
+    """A convolutional patch projection (``nn.Conv1d/2d/3d``) whose output channels are the hidden
+    size: split like the hidden size, the images cut to this rank's batch block (2D/2.5D/3D; not
+    under a ``VISION_EMBED`` module, which cut them); replicated in 1D."""
+    VISION_EMBED = "vision_embed"
+    """The module turning images into the first activations (a ViT's embeddings): its first input is
+    cut to this rank's batch block, its own parameters over the hidden size (class token, learned
+    positions) split along their last dimension and gathered for its forward (2D/2.5D/3D); its
+    ``PATCH_EMBED`` child then takes the block as it comes. Replicated in 1D."""
+    GATHER = "gather"
+    """A replicated module fed by split activations (a classifier): its input is gathered to the full
+    ``(B, ..., H)`` first (2D/2.5D/3D), so the model's output is whole; nothing to do in 1D."""
 
 
 def gpt_plan(mode: str = "1d") -> dict[str, Style]:
@@ -128,6 +142,7 @@ def convert_model(
     """
     entries = resolve_plan(model, plan)
     built: list[tuple[str, nn.Module]] = []
+    in_place: list[tuple[nn.Module, Callable[[nn.Module], None]]] = []
     by_weight: dict[int, nn.Module] = {}
     for name, module, style in entries:
         if style == Style.HEADS:
@@ -141,6 +156,9 @@ def convert_model(
         new = factories[style](module)
         if new is None:
             continue
+        if not isinstance(new, nn.Module):  # an in-place conversion (hooks, split own parameters)
+            in_place.append((module, new))
+            continue
         weight = getattr(module, "weight", None)
         if style == Style.LM_HEAD and weight is not None and id(weight) in by_weight:
             new.weight = by_weight[id(weight)].weight  # tied embeddings stay tied
@@ -152,4 +170,6 @@ def convert_model(
             module.n_head //= head_shards
     for name, new in built:
         replace_module(model, name, new)
+    for module, convert in in_place:
+        convert(module)
     return model

@@ -19,6 +19,7 @@ Formulas: see the docs page, section "3D".
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from torch.distributed import ProcessGroup
 from colossal.comm import Layout3D, Mesh, all_gather_along_dim, gather_along_dim, reduce_scatter_along_dim
 from colossal.tensor_parallel._ops import all_reduce_sum, gather_param, rows_chunk, shard_param
 from colossal.tensor_parallel.cross_entropy import check_targets, vocab_parallel_cross_entropy
+from colossal.tensor_parallel.patch_embed import HiddenLayout, vision_factories
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
@@ -41,6 +43,7 @@ __all__ = [
     "split_input_3d",
     "gather_output_3d",
     "cross_entropy_3d",
+    "hidden_layout_3d",
     "apply_3d",
 ]
 
@@ -256,6 +259,15 @@ def cross_entropy_3d(
     )
 
 
+def hidden_layout_3d(grid: Grid3D) -> HiddenLayout:
+    """Where the residual stream (``L0``) holds the batch and the hidden size, for the vision
+    styles: hidden block ``b``, a hidden tensor's block sharded over ``output`` and ``input``,
+    batch block ``(a, c)`` of ``q^2``."""
+    _, hi, s, _ = grid.axes("L0")
+    gather = functools.partial(gather_output_3d, grid=grid, orient="L0")
+    return HiddenLayout("3d", grid.q, hi, (s, grid.layout.input), grid.row_block("L0"), grid.q**2, lambda p: p, gather)
+
+
 def apply_3d(model: nn.Module, layout: Layout3D | Mesh, plan: dict | None = None, axis: str = "tp") -> nn.Module:
     """Convert ``model`` in place (default plan :func:`gpt_plan`); ``layout`` is a
     ``Mesh.layout("3d")`` or a ``Mesh`` whose ``axis`` is checked (``q^3``) and laid out."""
@@ -271,6 +283,6 @@ def apply_3d(model: nn.Module, layout: Layout3D | Mesh, plan: dict | None = None
         Style.POS_EMBED: lambda m: Embedding3D(m, grid, split_rows=False),
         Style.VOCAB_EMBED: lambda m: VocabParallelEmbedding3D(m, grid),
         Style.LM_HEAD: lambda m: VocabParallelLMHead3D(m, grid),
-    }
+    } | vision_factories(hidden_layout_3d(grid))
     with torch.profiler.record_function("colossal.tensor_parallel::apply_3d"):
         return convert_model(model, plan or gpt_plan("3d"), factories, grid.q, "3d")

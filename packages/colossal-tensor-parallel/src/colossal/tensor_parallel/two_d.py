@@ -15,6 +15,7 @@ Formulas: see the docs page, section "2D".
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from colossal.comm import (
 )
 from colossal.tensor_parallel._ops import all_reduce_sum, gather_param, rows_chunk
 from colossal.tensor_parallel.cross_entropy import check_targets, vocab_parallel_cross_entropy
+from colossal.tensor_parallel.patch_embed import HiddenLayout, vision_factories
 from colossal.tensor_parallel.plan import Style, convert_model, gpt_plan, resolve_plan
 from colossal.tensor_parallel.validation import check_divisible, grid_side
 
@@ -45,6 +47,7 @@ __all__ = [
     "split_input_2d",
     "gather_output_2d",
     "cross_entropy_2d",
+    "hidden_layout_2d",
     "layer_factories",
     "share_input_gather",
     "apply_2d",
@@ -277,6 +280,15 @@ def cross_entropy_2d(
     )
 
 
+def hidden_layout_2d(grid: Grid2D) -> HiddenLayout:
+    """Where 2D (or 2.5D) activations hold the batch and the hidden size, for the vision styles:
+    hidden block ``j``, a hidden tensor's block sharded over ``col`` (replicated over ``dep``),
+    batch block ``k*q + i``."""
+    mode = "2.5d" if grid.depth > 1 else "2d"
+    gather = functools.partial(gather_output_2d, grid=grid)
+    return HiddenLayout(mode, grid.q, grid.j, (grid.col,), grid.row_block, grid.row_blocks, grid.replicated, gather)
+
+
 def layer_factories(grid: Grid2D) -> dict:
     """Style -> builder of the 2D layer on ``grid`` (shared with 2.5D)."""
     return {
@@ -287,7 +299,7 @@ def layer_factories(grid: Grid2D) -> dict:
         Style.POS_EMBED: lambda m: Embedding2D(m, grid, split_rows=False),
         Style.VOCAB_EMBED: lambda m: VocabParallelEmbedding2D(m, grid),
         Style.LM_HEAD: lambda m: VocabParallelLMHead2D(m, grid),
-    }
+    } | vision_factories(hidden_layout_2d(grid))
 
 
 def share_input_gather(model: nn.Module, plan: dict, grid: Grid2D) -> None:

@@ -8,7 +8,13 @@ sequence parallelism (:mod:`.hf_sequence`), with the checks each family needs.
   block (q, k and v of the same heads), so the attention core runs unchanged on ``h/tp`` heads
   (Hugging Face attention modules infer the head count from the projection width). Embeddings,
   norms, poolers and task heads stay replicated, so tied input/output embeddings stay tied and the
-  model's output is not split. Only ``tp_mode="1d"``.
+  model's output is not split. ``tp_mode="1d"``; ViT also 2D, 2.5D and 3D (below).
+* **Tensor parallel (2D, 2.5D, 3D; ViT)**: these modes split every activation by batch block and
+  hidden block, so the rules of ``colossal.tensor_parallel.HF_GRID_RULES`` convert the rest of the
+  model too: the ``Conv2d`` patch projection (``Style.PATCH_EMBED``), the ``cls_token`` and
+  ``position_embeddings`` (``Style.VISION_EMBED``), the LayerNorms (``Style.NORM``), and the
+  classifier, which runs replicated on the gathered CLS tokens (``Style.GATHER``): the logits come
+  out whole. Not with pipeline or sequence parallelism.
 * **Sequence parallel**: the model keeps its inputs and outputs; the ``(B, T, C)`` sequence is
   split after the embeddings (padded to a multiple of ``sp_size``, the padding masked out) and
   gathered after the last norm; the attention core becomes ring or all-to-all attention that
@@ -69,14 +75,20 @@ class HFPolicy:
     the pipeline stages do not cover (a bare ``GPT2Model``, a classification head)."""
     experts: str | None = None
     """Regex: the sparse mixture-of-experts blocks that ``ep_size > 1`` splits (``None``: no experts)."""
+    tp_modes: tuple[str, ...] = ("1d",)
+    """The tensor-parallel modes of the family (2D/2.5D/3D need ``HF_GRID_RULES`` for it)."""
 
-    def check(self, model: nn.Module, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int) -> None:
+    def check(
+        self, model: nn.Module, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int, tp_depth: int = 1
+    ) -> None:
         """Raise (``ValueError`` with the values, ``NotImplementedError`` with what is supported)
         before anything is built, identically on every rank."""
         if pp_size > 1:
             self._check_pipeline(model, pp_size, sp_size)
+        if tp_size > 1 and tp_mode not in self.tp_modes:
+            raise NotImplementedError(f"{self.model_type}: tp_mode {tp_mode!r}; supported: {self.tp_modes}")
         if tp_size > 1 and tp_mode != "1d":
-            raise NotImplementedError(f"{self.model_type}: tp_mode {tp_mode!r}; supported: '1d'")
+            return self._check_grid(model, tp_size, sp_size, tp_mode, pp_size, tp_depth)
         cfg = _config(model)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -103,6 +115,26 @@ class HFPolicy:
             from colossalai.policies.hf_sequence import check_sequence
 
             check_sequence(self, model)
+
+    def _check_grid(self, model: nn.Module, tp_size: int, sp_size: int, mode: str, pp_size: int, depth: int) -> None:
+        """2D/2.5D/3D: the grid side ``q`` must divide the heads, ``q^2`` (2D, 2.5D) or ``q^3`` (3D)
+        the hidden and MLP widths (every vector is split over the grid); no pp or sp."""
+        if pp_size > 1 or sp_size > 1:
+            raise NotImplementedError(
+                f"{self.model_type}: tp_mode {mode!r} with pp_size={pp_size}, sp_size={sp_size}; "
+                "2D/2.5D/3D compose with dp only (pipeline and sequence parallelism: tp_mode '1d')"
+            )
+        power = 3 if mode == "3d" else 2
+        q = round((tp_size // depth) ** (1 / power))
+        cfg = _config(model)
+        width = getattr(cfg, self.mlp_width, None) or 4 * cfg.hidden_size
+        for value, by, what, by_what in (
+            (cfg.num_attention_heads, q, "num_attention_heads", f"the grid side q={q}"),
+            (cfg.hidden_size, q**power, "hidden_size", f"q^{power}={q**power} (q={q})"),
+            (width, q**power, self.mlp_width, f"q^{power}={q**power} (q={q})"),
+        ):
+            if value % by:
+                raise ValueError(f"{self.model_type} tp_mode {mode!r}: {what}={value} must be divisible by {by_what}")
 
     def _check_pipeline(self, model: nn.Module, pp_size: int, sp_size: int) -> None:
         supported = [f"{t} ({p.pp_blocks} + {p.pp_head})" for t, p in HF_POLICIES.items() if p.pp_blocks is not None]
@@ -165,11 +197,11 @@ class HFPolicy:
 
         return hf_stage_fns(self.model_type, model, device)
 
-    def plan(self, model: nn.Module) -> dict:
-        """The ``Style`` plan of ``model`` (``colossal.tensor_parallel.hf_plan``)."""
+    def plan(self, model: nn.Module, mode: str = "1d") -> dict:
+        """The ``Style`` plan of ``model`` in tensor-parallel ``mode`` (``colossal.tensor_parallel.hf_plan``)."""
         from colossal.tensor_parallel import hf_plan
 
-        return hf_plan(model, self.model_type)
+        return hf_plan(model, self.model_type, mode)
 
     def convert_tp(self, model: nn.Module, group, mode: str) -> None:
         """Modules the ``Style`` plan cannot express (none for this family)."""
@@ -242,7 +274,7 @@ class GPT2Policy(HFPolicy):
 
     __slots__ = ()
 
-    def plan(self, model: nn.Module) -> dict:
+    def plan(self, model: nn.Module, mode: str = "1d") -> dict:
         """No ``Style`` entries: every split layer is a ``Conv1D`` (:meth:`convert_tp`)."""
         return {}
 
@@ -316,6 +348,7 @@ HF_POLICIES: dict[str, HFPolicy] = {
         gather_after=r"layernorm",
         pp_blocks="vit.layers",
         pp_head="classifier",
+        tp_modes=("1d", "2d", "2.5d", "3d"),
     ),
 }
 """``config.model_type`` -> policy. The docs page "Hugging Face models" tables what each does.
@@ -340,7 +373,10 @@ HF_POLICIES: dict[str, HFPolicy] = {
 * ``vit``: bidirectional attention (``q/k/v_proj``, ``o_proj``, ``mlp.fc1``/``fc2``); sequence
   parallel splits the patch+CLS sequence after ``embeddings`` (padded to a multiple of ``sp_size``,
   the padding masked) and gathers after ``layernorm``. Pipeline: ``vit.layers`` split into stages
-  (``ViTForImageClassification``, the classifier on the CLS token).
+  (``ViTForImageClassification``, the classifier on the CLS token). Tensor parallel in every mode:
+  2D, 2.5D and 3D also split the patch projection, ``cls_token``, ``position_embeddings`` and the
+  LayerNorms, and gather the CLS tokens before the replicated classifier
+  (``ViTForImageClassification``).
 """
 
 

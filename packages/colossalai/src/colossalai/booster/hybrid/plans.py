@@ -42,6 +42,13 @@ class ModelPlan:
 
         return any(Style(s) == Style.LM_HEAD for s in self.tp.values())
 
+    @property
+    def gathers_output(self) -> bool:
+        """Whether a 2D/2.5D/3D model's output comes out whole (a ``GATHER`` head, e.g. the ViT classifier)."""
+        from colossal.tensor_parallel import Style
+
+        return any(Style(s) == Style.GATHER for s in self.tp.values())
+
 
 def _styles(value) -> tuple:
     from colossal.tensor_parallel import Style
@@ -88,8 +95,9 @@ def _builtin(model: nn.Module, tp_mode: str) -> ModelPlan | None:
     policy = PaLMPolicy() if isinstance(model, PaLM) else hf_policy(model)
     if policy is None:
         return None
-    source = "colossalai PaLM" if isinstance(model, PaLM) else f"hf:{policy.model_type}"
-    return ModelPlan(tp=policy.plan(model), sp={}, source=source, policy=policy)
+    if isinstance(model, PaLM):
+        return ModelPlan(tp=policy.plan(model), sp={}, source="colossalai PaLM", policy=policy)
+    return ModelPlan(tp=policy.plan(model, tp_mode), sp={}, source=f"hf:{policy.model_type}", policy=policy)
 
 
 def _check_sequence(model: nn.Module, sp: dict) -> None:
@@ -101,7 +109,15 @@ def _check_sequence(model: nn.Module, sp: dict) -> None:
 
 
 def model_plan(
-    model: nn.Module, plan: dict | None, *, tp_size: int, sp_size: int, tp_mode: str, sp_kind: str, pp_size: int
+    model: nn.Module,
+    plan: dict | None,
+    *,
+    tp_size: int,
+    sp_size: int,
+    tp_mode: str,
+    sp_kind: str,
+    pp_size: int,
+    tp_depth: int = 1,
 ) -> ModelPlan | None:
     """The plan for ``model``: the user's (validated), else a built-in one, else ``None`` when
     there is no tensor or sequence parallelism to apply. Raises ``ValueError`` / ``TypeError`` (on
@@ -112,7 +128,10 @@ def model_plan(
     else:
         found = _builtin(model, tp_mode)
     if found is not None and found.policy is not None:
-        found.policy.check(model, tp_size, sp_size, tp_mode, sp_kind, pp_size)
+        from colossalai.policies import HFPolicy
+
+        depth = {"tp_depth": tp_depth} if isinstance(found.policy, HFPolicy) else {}  # the 2.5D depth
+        found.policy.check(model, tp_size, sp_size, tp_mode, sp_kind, pp_size, **depth)
     elif found is not None and sp_size > 1:
         _check_sequence(model, found.sp)
     if found is not None or (tp_size == 1 and sp_size == 1):

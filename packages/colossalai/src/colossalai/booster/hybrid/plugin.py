@@ -229,7 +229,7 @@ class HybridParallelPlugin(Plugin):
             check_ep(model, self.ep_size, self.dp_size() * self.sp_size, self.sp_size)
         plan = model_plan(
             model, self.plan, tp_size=self.tp_size, sp_size=self.sp_size, tp_mode=self.tp_mode,
-            sp_kind=self.sp_kind, pp_size=self.pp_size,
+            sp_kind=self.sp_kind, pp_size=self.pp_size, tp_depth=self.tp_depth,
         )  # fmt: skip
         mesh = self._build_mesh()
         names = param_names(model)

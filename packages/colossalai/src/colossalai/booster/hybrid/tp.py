@@ -45,5 +45,6 @@ def apply_tp(model: nn.Module, mesh, mode: str, depth: int, plan: ModelPlan) -> 
     indexed = mode != "1d" or (plan.policy is not None and plan.policy.permutes)
     shards = ShardIndex(model, convert, mesh.group("tp")) if indexed else None
     convert(model)
-    gather = gather_fn(mode, target) if mode != "1d" or plan.splits_logits else None
+    split_output = (mode != "1d" and not plan.gathers_output) or plan.splits_logits
+    gather = gather_fn(mode, target) if split_output else None
     return GatherLogits(model, gather), shards
