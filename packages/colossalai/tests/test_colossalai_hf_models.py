@@ -94,3 +94,29 @@ def test_hf_models_train_like_plain_pytorch_under_every_plugin(world):
             except AssertionError as e:
                 failures.append(f"rank {rank} {family} {name}: {losses} vs {refs[family].tolist()}: {e}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_hf_model_built_on_meta_gets_transformers_init(family):
+    """A Hugging Face model built on the meta device and boosted (materialised with ``to_empty``)
+    is initialised by the model's own ``_init_weights``: GPT-2's ``Conv1D`` and BERT's
+    ``position_ids`` buffer have no ``reset_parameters`` and were left as uninitialised memory."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build(family)
+    std = model.config.initializer_range
+    boosted, *_ = Booster(plugin=TorchDDPPlugin()).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = boosted.unwrap()
+    names = dict(model.named_parameters())
+    name = "transformer.h.0.mlp.c_fc.weight" if family == "gpt2" else "bert.encoder.layer.0.output.dense.weight"
+    weight = names[name]
+    assert abs(weight.std().item() - std) < 0.2 * std and abs(weight.mean().item()) < 0.2 * std
+    for name, p in names.items():
+        if "LayerNorm.weight" in name or name.endswith(("ln_1.weight", "ln_f.weight")):
+            assert torch.equal(p, torch.ones_like(p)), name
+        if name.endswith(("c_fc.bias", "dense.bias")):
+            assert torch.equal(p, torch.zeros_like(p)), name
+    if family == "bert":
+        ids = model.bert.embeddings.position_ids
+        assert torch.equal(ids.flatten(), torch.arange(ids.numel())), ids
+    assert torch.isfinite(loss(model, batches(family, 1)[0]))

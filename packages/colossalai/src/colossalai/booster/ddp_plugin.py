@@ -33,7 +33,21 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
+            _model_init(model)
     return model.to(device)
+
+
+def _model_init(model: nn.Module) -> None:
+    """Run a Hugging Face model's own initialiser (``_init_weights``, each module after its children,
+    as ``transformers`` does): ``to_empty`` leaves modules without ``reset_parameters`` (GPT-2's
+    ``Conv1D``, RMSNorm) and non-persistent buffers (BERT's ``position_ids``) uninitialised, and the
+    model's distributions (std ``initializer_range``) are not ``reset_parameters``' anyway."""
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        return
+    with torch.no_grad():
+        for module in reversed(list(model.modules())):
+            init(module)
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:
