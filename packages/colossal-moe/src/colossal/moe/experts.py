@@ -46,7 +46,7 @@ from torch import nn
 
 from colossal.moe.config import MoEConfig
 
-__all__ = ["grouped_mm", "MLPExperts", "SwiGLUExperts", "build_experts"]
+__all__ = ["BLOCK_BYTES", "grouped_mm", "expert_blocks", "MLPExperts", "SwiGLUExperts", "build_experts"]
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) whose kernel raised once
