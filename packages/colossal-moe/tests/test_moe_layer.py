@@ -83,3 +83,48 @@ def test_bfloat16_layer_follows_float32(expert):
     y.float().square().mean().backward()
     assert y.dtype == torch.bfloat16 and low.experts.w_in.grad.dtype == torch.bfloat16
     assert_close(y.float(), ref, "bf16 output", tol=2e-2)
+
+
+def test_expert_blocks_split_runs_of_experts():
+    from colossal.moe.experts import expert_blocks
+
+    # 10 bytes a row, 40 bytes a block: at most 4 rows, or one expert that alone has more
+    assert expert_blocks([3, 0, 1, 6, 2, 2, 0], 10, 40) == [(0, 3, 0, 4), (3, 4, 4, 10), (4, 7, 10, 14)]
+    assert expert_blocks([0, 0], 10, 40) == [(0, 2, 0, 0)]
+    assert expert_blocks([5], 10, 1) == [(0, 1, 0, 5)]
+
+
+@pytest.mark.parametrize(
+    "block_bytes,dtype,activation",
+    [(1, torch.float32, "gelu_tanh"), (600, torch.float32, "relu"), (600, torch.float32, "silu"),
+     (1 << 20, torch.float32, "gelu"), (1 << 20, torch.float64, "gelu_tanh")],
+)  # fmt: skip
+def test_mlp_expert_blocks_match_reference(monkeypatch, block_bytes, dtype, activation):
+    """Experts run one block of experts at a time (every expert alone, runs of a few, all at once;
+    float64 takes the per-expert path): outputs and every gradient equal the token-by-token
+    reference, and the idle expert's gradients are exactly zero."""
+    import colossal.moe.experts as experts
+
+    monkeypatch.setattr(experts, "BLOCK_BYTES", block_bytes)  # 128-byte rows: 600 bytes = 4 rows
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden=16, ffn_hidden=32, num_experts=5, top_k=2, capacity_factor=None, activation=activation)
+    moe = MoE(cfg).to(dtype)
+    with torch.no_grad():
+        moe.router.gate.weight[4] = -10.0  # expert 4 is never chosen by these positive inputs
+    x = (torch.rand(30, 16, dtype=dtype) + 0.1).requires_grad_()
+    gy = torch.randn(30, 16, dtype=dtype)
+    y = moe(x)
+    (y * gy).sum().backward()
+    assert moe.stats.expert_counts[4] == 0
+    assert ("cpu", torch.float32) not in experts._REFUSED  # float32 ran torch._grouped_mm, not the fallback
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    gx, x.grad = x.grad.clone(), None
+    moe.zero_grad()
+    ref, _ = reference_moe(moe, x)
+    (ref * gy).sum().backward()
+    assert_close(y, ref, "output")
+    assert_close(gx, x.grad, "input grad")
+    for n, p in moe.named_parameters():
+        assert_close(grads[n], p.grad, f"grad {n}")
+    for n in ("w_in", "b_in", "w_out", "b_out"):
+        assert (grads[f"experts.{n}"][4] == 0).all()
