@@ -67,17 +67,25 @@ class Attention(nn.Module):
     def _self_attention(self, x: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
         """Self-attention with the q, k, v (and gate) projections as one GEMM of the concatenated
         weights (one kernel instead of four, forward and backward); without autograd the scaling
-        and the gate work in place."""
+        and the gate work in place. Both modes apply every non-exact elementwise op (the gate's
+        sigmoid) to tensors of the same layout, so they agree bit for bit (see
+        [Note: fused attention in inference])."""
         grad = torch.is_grad_enabled()
         lins = [self.linear_q, self.linear_k, self.linear_v] + ([self.linear_g] if self.linear_g is not None else [])
-        qkvg = F.linear(x, torch.cat([lin.weight for lin in lins])).split(self.linear_q.out_features, dim=-1)
+        bias = None
+        if (
+            self.linear_g is not None
+        ):  # the gate's bias inside the GEMM: its sigmoid reads the strided slice in both modes
+            g_bias = self.linear_g.bias
+            bias = torch.cat([g_bias.new_zeros(3 * self.linear_q.out_features), g_bias])
+        qkvg = F.linear(x, torch.cat([lin.weight for lin in lins]), bias).split(self.linear_q.out_features, dim=-1)
         q = self._heads(qkvg[0])
         q = q / math.sqrt(self.c_hidden) if grad else q.div_(math.sqrt(self.c_hidden))  # [*, H, Q, d]
         o = attention_core(q, self._heads(qkvg[1]), self._heads(qkvg[2]), biases).transpose(-2, -3)  # [*, Q, H, d]
         if self.linear_g is not None and grad:
-            o = sigmoid_gate(o, (qkvg[3] + self.linear_g.bias).view(o.shape))
+            o = torch.sigmoid(qkvg[3]).view(o.shape) * o
         elif self.linear_g is not None:
-            o = qkvg[3].add_(self.linear_g.bias).sigmoid_().view(o.shape).mul_(o)
+            o = qkvg[3].sigmoid_().view(o.shape).mul_(o)
         return self.linear_o(o.reshape(*o.shape[:-2], -1))
 
 
