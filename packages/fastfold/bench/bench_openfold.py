@@ -55,6 +55,13 @@ def _args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the small-size output/gradient equality check")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--max-memory-mib", type=int, default=None, help="also run fastfold with max_memory=this")
+    p.add_argument(
+        "--sides",
+        nargs="+",
+        default=["fastfold", "openfold"],
+        choices=["fastfold", "openfold"],
+        help="inference rows: which implementations to run (one side only where the other cannot finish)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -305,15 +312,15 @@ def _merge(runs):
     return out
 
 
-def _pair(w, env, rounds=1):
+def _pair(w, env, rounds=1, sides=("fastfold", "openfold")):
     """fastfold and OpenFold in alternating fresh processes, ``rounds`` times each: a load spike on
-    a shared machine then hits one round, not one side."""
-    runs = {"fastfold": [], "openfold": []}
+    a shared machine then hits one round, not one side. A side left out of ``sides`` gets ``None``."""
+    runs = {impl: [] for impl in ("fastfold", "openfold") if impl in sides}
     for _ in range(rounds):
         for impl in runs:
             load = os.getloadavg()[0]
             runs[impl].append({**_spawn({**w, "impl": impl}, env), "load": round(load, 1)})
-    return _merge(runs["fastfold"]), _merge(runs["openfold"])
+    return tuple(_merge(runs[impl]) if impl in runs else None for impl in ("fastfold", "openfold"))
 
 
 def _loads(res):
@@ -321,6 +328,15 @@ def _loads(res):
 
 
 def _print_row(label, ff, of):
+    if ff is None or of is None:
+        one, name = (ff, "fastfold") if of is None else (of, "OpenFold")
+        cpu = f"{one['cpu_seconds']:.2f}" if "cpu_seconds" in one else "-"
+        print(
+            f"| {label} ({name} only) | {one['seconds']:.2f} | {cpu} | {one['peak_mib']:.0f} "
+            f"| {one['act_mib']:.0f} | {_loads(one)} |",
+            flush=True,
+        )
+        return
     r = lambda k: ff[k] / max(of[k], 1e-9)
     cpu = f"{ff['cpu_seconds']:.2f} / {of['cpu_seconds']:.2f} = {r('cpu_seconds'):.2f}" if "cpu_seconds" in ff else "-"
     print(
@@ -368,7 +384,8 @@ def main(argv=None):
         for name in a.configs:
             chunk, inplace = CONFIGS[name]
             chunk = a.chunk_size if chunk == "C" else chunk
-            ff, of = _pair(dict(common, mode="infer", n_res=n_res, chunk=chunk, inplace=inplace), env, a.rounds)
+            w = dict(common, mode="infer", n_res=n_res, chunk=chunk, inplace=inplace)
+            ff, of = _pair(w, env, a.rounds, a.sides)
             label = f"n_res {n_res}, " + (name if chunk is None else name.replace("chunk", f"chunk {chunk}"))
             _print_row(label, ff, of)
             report["rows"].append({"config": label, "fastfold": ff, "openfold": of})
