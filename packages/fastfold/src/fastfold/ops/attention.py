@@ -56,7 +56,9 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, *biases):
         ctx.save_for_backward(q, k, v, *biases)
-        return _fused(q, k, v, biases)
+        # detached: the kernel choice looks at requires_grad (a mask that requires grad sends the
+        # call to the math path), and this call must be the one the no-grad forward makes
+        return _fused(q.detach(), k.detach(), v.detach(), [b.detach() for b in biases])
 
     @staticmethod
     def backward(ctx, g):
