@@ -54,7 +54,15 @@ def _args(argv=None):
     p.add_argument("--no-train", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip the small-size output/gradient equality check")
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--check-seeds", type=int, nargs="+", default=[1], help="input seeds of the equality check")
     p.add_argument("--max-memory-mib", type=int, default=None, help="also run fastfold with max_memory=this")
+    p.add_argument(
+        "--sides",
+        nargs="+",
+        default=["fastfold", "openfold"],
+        choices=["fastfold", "openfold"],
+        help="inference rows: which implementations to run (one side only where the other cannot finish)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -209,7 +217,7 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def check_equal(blocks=2, n_seq=8, n_res=40, chunk=4):
+def check_equal(blocks=2, n_seq=8, n_res=40, chunk=4, seed=1):
     """Max relative difference (max |a-b| / max |b|) fastfold vs OpenFold: outputs per configuration
     and parameter gradients of the checkpointed training forward (dropout off)."""
     import torch
@@ -217,7 +225,7 @@ def check_equal(blocks=2, n_seq=8, n_res=40, chunk=4):
     torch.manual_seed(0)
     ff = _fastfold(blocks)
     of = _openfold(ff)
-    m, z, msa_mask, pair_mask = _inputs(n_seq, n_res)
+    m, z, msa_mask, pair_mask = _inputs(n_seq, n_res, seed=seed)
     msa_mask[1:, -3:] = 0  # masked keys exercise the mask bias
     rows = {}
     ff.eval(), of.eval()
@@ -229,16 +237,57 @@ def check_equal(blocks=2, n_seq=8, n_res=40, chunk=4):
             rows[name] = max(_rel(a, b) for a, b in zip(out, ref))
     ff.train(), of.train()
     # inputs needing grad, as the embedders' outputs do (OpenFold's reentrant checkpoint needs it)
-    m, z = m.requires_grad_(), z.requires_grad_()
-    _train_loss(*ff(m, z, msa_mask, pair_mask, checkpoint=True)).backward()
-    _train_loss(*of(m, z, msa_mask, pair_mask, chunk_size=None)).backward()
-    of_params = dict(of.named_parameters())
-    # relative to the largest gradient entry overall: some gradients are zero in exact arithmetic
-    # (a layer-norm shift feeding only softmax logits) and hold float noise in both implementations
-    diff = max(float((p.grad - of_params[n].grad).abs().max()) for n, p in ff.named_parameters())
-    scale = max(float(of_params[n].grad.abs().max()) for n, _ in ff.named_parameters())
-    rows["training gradients"] = diff / scale
+    grads = {
+        "fastfold checkpointed": _gradients("fastfold", ff, m, z, msa_mask, pair_mask, True),
+        "fastfold plain": _gradients("fastfold", ff, m, z, msa_mask, pair_mask, False),
+        "openfold checkpointed": _gradients("openfold", of, m, z, msa_mask, pair_mask, True),
+        "openfold plain": _gradients("openfold", of, m, z, msa_mask, pair_mask, False),
+    }
+    rows["training gradients"] = _grad_rel(grads["fastfold checkpointed"], grads["openfold checkpointed"])
+    rows["training gradients, fastfold plain vs OpenFold checkpointed"] = _grad_rel(
+        grads["fastfold plain"], grads["openfold checkpointed"]
+    )
+    # the round-off yardstick: OpenFold against itself with and without checkpointing
+    rows["training gradients, OpenFold plain vs OpenFold checkpointed"] = _grad_rel(
+        grads["openfold plain"], grads["openfold checkpointed"]
+    )
+    rows["training gradients, fastfold checkpointed vs fastfold plain"] = _grad_rel(
+        grads["fastfold checkpointed"], grads["fastfold plain"]
+    )
+    # the other yardstick: each float32 run against the float64 run of the same model (a gradient
+    # that is discontinuous at a ReLU kink jumps when rounding moves a pre-activation across zero)
+    args64 = [t.double() for t in (m, z, msa_mask, pair_mask)]
+    for name, impl, model in (("fastfold", "fastfold", ff), ("OpenFold", "openfold", of)):
+        exact = _gradients(impl, model.double(), *args64, True)
+        model.float()
+        rows[f"training gradients, {name} float32 vs its float64"] = _grad_rel(
+            grads[f"{impl} checkpointed"], {n: g.float() for n, g in exact.items()}
+        )
     return rows
+
+
+def _gradients(impl, model, m, z, msa_mask, pair_mask, checkpoint):
+    """Parameter gradients (by OpenFold name) of one training forward/backward, dropout off."""
+    m, z = m.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    if impl == "fastfold":
+        out = model(m, z, msa_mask, pair_mask, checkpoint=checkpoint)
+    else:
+        saved, model.blocks_per_ckpt = model.blocks_per_ckpt, (1 if checkpoint else None)
+        try:
+            out = model(m, z, msa_mask, pair_mask, chunk_size=None)
+        finally:
+            model.blocks_per_ckpt = saved
+    _train_loss(*out).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _grad_rel(got, want):
+    """max |got - want| over every parameter gradient / the largest |want| entry overall: some
+    gradients are zero in exact arithmetic (a layer-norm shift feeding only softmax logits) and hold
+    float noise in both implementations, so per-tensor relative differences would mislead."""
+    diff = max(float((got[n] - want[n]).abs().max()) for n in want)
+    return diff / max(float(g.abs().max()) for g in want.values())
 
 
 # ---------------------------------------------------------------- driver
@@ -273,15 +322,15 @@ def _merge(runs):
     return out
 
 
-def _pair(w, env, rounds=1):
+def _pair(w, env, rounds=1, sides=("fastfold", "openfold")):
     """fastfold and OpenFold in alternating fresh processes, ``rounds`` times each: a load spike on
-    a shared machine then hits one round, not one side."""
-    runs = {"fastfold": [], "openfold": []}
+    a shared machine then hits one round, not one side. A side left out of ``sides`` gets ``None``."""
+    runs = {impl: [] for impl in ("fastfold", "openfold") if impl in sides}
     for _ in range(rounds):
         for impl in runs:
             load = os.getloadavg()[0]
             runs[impl].append({**_spawn({**w, "impl": impl}, env), "load": round(load, 1)})
-    return _merge(runs["fastfold"]), _merge(runs["openfold"])
+    return tuple(_merge(runs[impl]) if impl in runs else None for impl in ("fastfold", "openfold"))
 
 
 def _loads(res):
@@ -289,6 +338,15 @@ def _loads(res):
 
 
 def _print_row(label, ff, of):
+    if ff is None or of is None:
+        one, name = (ff, "fastfold") if of is None else (of, "OpenFold")
+        cpu = f"{one['cpu_seconds']:.2f}" if "cpu_seconds" in one else "-"
+        print(
+            f"| {label} ({name} only) | {one['seconds']:.2f} | {cpu} | {one['peak_mib']:.0f} "
+            f"| {one['act_mib']:.0f} | {_loads(one)} |",
+            flush=True,
+        )
+        return
     r = lambda k: ff[k] / max(of[k], 1e-9)
     cpu = f"{ff['cpu_seconds']:.2f} / {of['cpu_seconds']:.2f} = {r('cpu_seconds'):.2f}" if "cpu_seconds" in ff else "-"
     print(
@@ -317,14 +375,19 @@ def main(argv=None):
     print(f"load average before: {os.getloadavg()[0]:.2f}; {a.threads} threads; fresh process per cell")
     if not a.no_check:
         code = (
-            "import sys, json; sys.path.insert(0, %r); import bench_openfold as b; print(json.dumps(b.check_equal()))"
+            "import sys, json; sys.path.insert(0, %r); import bench_openfold as b; "
+            "print(json.dumps(b.check_equal(seed=%d)))"
         )
-        proc = subprocess.run([sys.executable, "-c", code % str(HERE.parent)], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr[-4000:])
-        check = json.loads(proc.stdout.strip().splitlines()[-1])
-        report["equality"] = check
-        print("max relative difference fastfold vs OpenFold (n_res 40, masked keys):", check)
+        for seed in a.check_seeds:
+            cmd = [sys.executable, "-c", code % (str(HERE.parent), seed)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(proc.stderr[-4000:])
+            check = json.loads(proc.stdout.strip().splitlines()[-1])
+            report.setdefault("equality", {})[seed] = check
+            print(f"max relative difference fastfold vs OpenFold (n_res 40, masked keys, seed {seed}):")
+            for k, v in check.items():
+                print(f"  {k}: {v:.3g}")
     if a.check_only:
         return
     common = dict(n_seq=a.n_seq, blocks=a.blocks, threads=a.threads, warmup=a.warmup, repeats=a.repeats)
@@ -336,7 +399,8 @@ def main(argv=None):
         for name in a.configs:
             chunk, inplace = CONFIGS[name]
             chunk = a.chunk_size if chunk == "C" else chunk
-            ff, of = _pair(dict(common, mode="infer", n_res=n_res, chunk=chunk, inplace=inplace), env, a.rounds)
+            w = dict(common, mode="infer", n_res=n_res, chunk=chunk, inplace=inplace)
+            ff, of = _pair(w, env, a.rounds, a.sides)
             label = f"n_res {n_res}, " + (name if chunk is None else name.replace("chunk", f"chunk {chunk}"))
             _print_row(label, ff, of)
             report["rows"].append({"config": label, "fastfold": ff, "openfold": of})

@@ -65,19 +65,27 @@ class Attention(nn.Module):
         return self.linear_o(o.reshape(*o.shape[:-2], -1))
 
     def _self_attention(self, x: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Self-attention with the q, k, v (and gate) projections as one GEMM of the concatenated
-        weights (one kernel instead of four, forward and backward); without autograd the scaling
-        and the gate work in place."""
+        """Self-attention with the q, k, v and gate projections as one GEMM of the concatenated
+        weights (one kernel instead of four, forward and backward), the query scaling folded into
+        ``W_q`` and the gate's bias into the GEMM. With and without autograd every kernel sees
+        tensors of the same layout (``q``, ``k``, ``v`` and the gate as strided slices of the one
+        projection, a fresh dense gated output for ``linear_o``), so the two modes agree bit for
+        bit, which [Note: checkpointing with the inference forward] needs: the fused attention's
+        internal GEMMs and ``F.linear`` (addmm for a dense input, matmul + bias add for a strided
+        one) round differently for other strides."""
         grad = torch.is_grad_enabled()
-        lins = [self.linear_q, self.linear_k, self.linear_v] + ([self.linear_g] if self.linear_g is not None else [])
-        qkvg = F.linear(x, torch.cat([lin.weight for lin in lins])).split(self.linear_q.out_features, dim=-1)
-        q = self._heads(qkvg[0])
-        q = q / math.sqrt(self.c_hidden) if grad else q.div_(math.sqrt(self.c_hidden))  # [*, H, Q, d]
-        o = attention_core(q, self._heads(qkvg[1]), self._heads(qkvg[2]), biases).transpose(-2, -3)  # [*, Q, H, d]
-        if self.linear_g is not None and grad:
-            o = sigmoid_gate(o, (qkvg[3] + self.linear_g.bias).view(o.shape))
-        elif self.linear_g is not None:
-            o = qkvg[3].add_(self.linear_g.bias).sigmoid_().view(o.shape).mul_(o)
+        hd = self.linear_q.out_features
+        weights = [self.linear_q.weight / math.sqrt(self.c_hidden), self.linear_k.weight, self.linear_v.weight]
+        bias = None
+        if self.linear_g is not None:
+            weights.append(self.linear_g.weight)
+            bias = torch.cat([self.linear_g.bias.new_zeros(3 * hd), self.linear_g.bias])
+        qkvg = F.linear(x, torch.cat(weights), bias).split(hd, dim=-1)
+        o = attention_core(*(self._heads(t) for t in qkvg[:3]), biases).transpose(-2, -3)  # [*, Q, H, d]
+        if self.linear_g is not None:
+            gate = torch.sigmoid(qkvg[3]).view(o.shape)  # dense; the projection is freed here
+            del qkvg
+            o = gate * o if grad else gate.mul_(o)
         return self.linear_o(o.reshape(*o.shape[:-2], -1))
 
 

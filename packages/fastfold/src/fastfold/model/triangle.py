@@ -27,7 +27,11 @@ __all__ += ["TriangleAttention", "TriangleAttentionStartingNode", "TriangleAtten
 # the block of A it has just read, so x takes A's place and the GEMMs stay large whatever the
 # chunk size; (3) chunks of x's rows go through LN, linear_z and the gate (LN(z) recomputed for
 # the chunk's rows) into the output or, in place, into z. Same sums as OpenFold's; the GEMM
-# blocking differs, so float rounding may.
+# blocking differs, so float rounding may. With autograd (training without DAP) the same code runs
+# with out-of-place gates and ``torch.cat`` instead of the buffer writes: the same kernels on the
+# same layouts, so the two modes agree bit for bit ([Note: checkpointing with the inference
+# forward] needs this). Under DAP (or with a ``prepared`` prologue) the projections run whole on
+# the local rows (``prepare``) and the product in chunks of rows (``_combine``), in both modes.
 
 
 class TriangleMultiplicativeUpdate(nn.Module):
@@ -65,18 +69,24 @@ class TriangleMultiplicativeUpdate(nn.Module):
 
     def _operands(self, z, mask, chunk_size):
         """Channels-first operands ``A``, ``B`` [*, c, rows of z, cols of z] written chunk by chunk of
-        ``z``'s rows (see [Note: triangle update in inference])."""
+        ``z``'s rows (see [Note: triangle update in inference]); concatenated under autograd."""
         # unchunked: still 8 row blocks (the [*, rows, J, 4c] projection is the largest transient;
         # GEMMs of R/8 x R rows are as fast as one)
         n = z.shape[-3]
         step = max(1, -(-n // 8)) if chunk_size is None else chunk_size
         c = self.linear_a_p.out_features
         w, bias = self._fused_weights()
+        grad = torch.is_grad_enabled()
         a_all = b_all = None
+        a_parts, b_parts = [], []
         for start in range(0, n, step):
             rows = min(step, n - start)
             z_c, mask_c = z.narrow(-3, start, rows), mask.narrow(-2, start, rows).unsqueeze(-1)
             p_a, g_a, p_b, g_b = F.linear(self.layer_norm_in(z_c), w, bias).split(c, dim=-1)  # [*, rows, J, c]
+            if grad:
+                a_parts.append((torch.sigmoid(g_a) * p_a * mask_c).movedim(-1, -3))  # [*, c, rows, J]
+                b_parts.append((torch.sigmoid(g_b) * p_b * mask_c).movedim(-1, -3))
+                continue
             a_c = g_a.sigmoid_().mul_(p_a).mul_(mask_c).movedim(-1, -3)  # [*, c, rows, J]
             b_c = g_b.sigmoid_().mul_(p_b).mul_(mask_c).movedim(-1, -3)
             if a_all is None:
@@ -84,19 +94,27 @@ class TriangleMultiplicativeUpdate(nn.Module):
                 b_all = torch.empty_like(a_all)
             a_all.narrow(-2, start, rows).copy_(a_c)
             b_all.narrow(-2, start, rows).copy_(b_c)
+        if grad:
+            return torch.cat(a_parts, dim=-2), torch.cat(b_parts, dim=-2)
         return a_all, b_all
 
     def _product_into_a(self, a_all, b_all, block: int = 8):
         """``x`` [*, c, I, J] written over ``a_all`` ``block`` channels at a time: outgoing
-        ``x = A B^T`` (``x_ij = sum_k a_ik b_jk``), incoming ``x = A^T B`` (``sum_k a_ki b_kj``)."""
+        ``x = A B^T`` (``x_ij = sum_k a_ik b_jk``), incoming ``x = A^T B`` (``sum_k a_ki b_kj``);
+        under autograd the blocks are concatenated instead."""
         c = a_all.shape[-3]
+        grad = torch.is_grad_enabled()
+        parts = []
         for start in range(0, c, block):
             a_c, b_c = a_all.narrow(-3, start, min(block, c - start)), b_all.narrow(-3, start, min(block, c - start))
             x_c = a_c @ b_c.transpose(-1, -2) if self.outgoing else a_c.transpose(-1, -2) @ b_c
-            a_c.copy_(x_c)  # a_c was read whole by the product above
-        return a_all
+            if grad:
+                parts.append(x_c)
+            else:
+                a_c.copy_(x_c)  # a_c was read whole by the product above
+        return torch.cat(parts, dim=-3) if grad else a_all
 
-    def _inference(self, z, mask, chunk_size, accumulate_into):
+    def _lean(self, z, mask, chunk_size, accumulate_into):
         a_all, b_all = self._operands(z, mask, chunk_size)
         x = self._product_into_a(a_all, b_all)  # [*, c, I, J]
         del a_all, b_all
@@ -106,6 +124,8 @@ class TriangleMultiplicativeUpdate(nn.Module):
     def _finish(self, x, z_c):
         """``sigmoid(linear_g(LN_in(z))) * linear_z(LN_out(x))`` for rows ``z_c`` (LN recomputed per chunk)."""
         x = self.linear_z(self.layer_norm_out(x))
+        if torch.is_grad_enabled():
+            return torch.sigmoid(self.linear_g(self.layer_norm_in(z_c))) * x
         return self.linear_g(self.layer_norm_in(z_c)).sigmoid_().mul_(x)
 
     def _combine(self, a_c, b_t, z_ln):
@@ -125,8 +145,8 @@ class TriangleMultiplicativeUpdate(nn.Module):
         """``z`` [*, I, J, c_z], ``mask`` [*, I, J] -> update [*, I, J, c_z]. Under DAP the rows
         (outgoing) or columns (incoming) are local; the operand needed whole is all-gathered.
         ``prepared``: :meth:`prepare` already computed on this ``z``."""
-        if dap is None and prepared is None and not torch.is_grad_enabled():
-            return self._inference(z, mask, chunk_size, accumulate_into)
+        if dap is None and prepared is None:  # [Note: triangle update in inference], also with autograd
+            return self._lean(z, mask, chunk_size, accumulate_into)
         z_ln, a, b = prepared if prepared is not None else self.prepare(z, mask, chunk_size)
         # Channels-first operands, permuted once for all chunks:
         # outgoing x_ij = sum_k a_ik b_jk; incoming x_ij = sum_k a_ki b_kj. Under DAP the operand

@@ -16,9 +16,12 @@ __all__ = ["check_trunk_inputs", "run_trunk", "checkpoint_block"]
 # runs under ``torch.no_grad()`` and takes the inference fast paths (fused attention, the lean
 # triangle update, in-place gates; OpenFold's reentrant checkpoint also runs it without autograd,
 # but through its training code). Backward recomputes the block with autograd (the training
-# paths) from the saved inputs and differentiates that. The two forwards differ only by float
-# rounding (the fused kernels reassociate sums, ~1e-7 relative in float32), so the gradients are
-# those of the recomputed block at inputs within rounding of the autograd forward's. The block's
+# paths) from the saved inputs and differentiates that. The two forwards run the same kernels on
+# tensors of the same layouts (the fused attention has an autograd form, the lean triangle update
+# runs under autograd, see [Note: fused attention in inference] and [Note: triangle update in
+# inference]), so they agree bit for bit and the gradients equal those of a plain autograd run
+# (float32, tested). Were the kernels different, the next block would be differentiated at inputs
+# a rounding away, which near a ReLU kink moved a weight gradient by 6.5e-5 of the largest. The block's
 # parameters are inputs of the autograd node, so their gradients flow even when ``m`` and ``z``
 # need none, and ``torch.autograd.grad`` works through it (not double backward). Dropout masks
 # come from the block's own seeded generator (``SharedDropout``), so the recompute draws the same.

@@ -11,8 +11,14 @@ pair bias ``[1, H, Q, K]`` serves every sequence of the chunk without a copy). O
 masked *and* a pair bias exists are the two summed into one mask of the chunk's logits size, which
 is still one buffer fewer than the eager path (logits + probabilities). The kernel reassociates the
 softmax sums, so results differ from the eager path by float rounding (~1e-6 relative in float32).
-With autograd (training) the eager path runs: logits from ``q @ k^T``, biases added in place,
-softmax, ``@ v``; it is OpenFold's computation and keeps its gradients.
+With autograd (training) the forward is the same kernel call (``_FusedAttention``), so a forward
+with and one without autograd agree bit for bit (which [Note: checkpointing with the inference
+forward] relies on); only ``q, k, v`` and the biases are saved, and backward recomputes the
+probabilities ``P = softmax(q k^T + sum(biases))`` eagerly (one chunk's logits at a time) and
+differentiates the eager formula: ``dv = P^T g``, ``dS = P * (g v^T - rowsum(P * g v^T))``,
+``dq = dS k``, ``dk = dS^T q``, each bias's gradient ``dS`` summed over the axes it broadcasts along
+(the pair bias over the sequences). Inputs that are not 4-D (extra batch axes) or not floating point
+take the eager path: logits from ``q @ k^T``, biases added in place, softmax, ``@ v``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,40 @@ def _merged_mask(biases: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return mask
 
 
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
+    mask = _merged_mask(biases)
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The fused forward with the eager formula's gradients (see [Note: fused attention in inference])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *biases):
+        ctx.save_for_backward(q, k, v, *biases)
+        # detached: the kernel choice looks at requires_grad (a mask that requires grad sends the
+        # call to the math path), and this call must be the one the no-grad forward makes
+        return _fused(q.detach(), k.detach(), v.detach(), [b.detach() for b in biases])
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, *biases = ctx.saved_tensors
+        need_q, need_k, need_v, *need_b = ctx.needs_input_grad
+        p = q @ k.transpose(-1, -2)  # [*, H, Q, K]
+        for b in biases:
+            p.add_(b)
+        p = torch.softmax(p, dim=-1)
+        dv = p.transpose(-1, -2) @ g if need_v else None
+        ds = torch._softmax_backward_data(g @ v.transpose(-1, -2), p, -1, p.dtype)
+        del p
+        dq = ds @ k if need_q else None
+        dk = ds.transpose(-1, -2) @ q if need_k else None
+        db = [ds.sum_to_size(b.shape).to(b.dtype) if need else None for b, need in zip(biases, need_b)]
+        return dq, dk, dv, *db
+
+
 def attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: Sequence[torch.Tensor] = ()
 ) -> torch.Tensor:
@@ -45,11 +85,9 @@ def attention_core(
     logits_shape = (*q.shape[:-1], k.shape[-2])
     for i, b in enumerate(biases):
         check_broadcast(b.shape, logits_shape, f"biases[{i}]")
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *biases))
-    if tracked or q.dim() != 4 or not q.is_floating_point():
+    if q.dim() != 4 or not q.is_floating_point():
         a = softmax_with_biases(q @ k.transpose(-1, -2), biases, inplace=True)  # [*, H, Q, K]
         return a @ v
-    mask = _merged_mask(biases)
-    if mask is not None and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *biases)):
+        return _FusedAttention.apply(q, k, v, *biases)
+    return _fused(q, k, v, biases)
