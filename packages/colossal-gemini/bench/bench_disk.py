@@ -241,18 +241,27 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
 DS_PERSISTENCE = 100_000  # DeepSpeed's default stage3_param_persistence_threshold: smaller parameters stay in RAM
 
 
-def zero_infinity_config(args: argparse.Namespace, largest: int, smallest: int, nvme: str) -> dict:
+def zero_infinity_config(args: argparse.Namespace, sizes: list[int], nvme: str) -> dict:
     """DeepSpeed ZeRO-3 config with parameters and optimizer states on NVMe (fp32, one rank, batch 1).
 
-    ``smallest`` is the smallest parameter that is swapped (above the persistence threshold). Every
-    swapped parameter that is live or being prefetched holds one whole swap buffer, so the buffer
-    count is raised to cover ``(max_live + prefetch) / smallest`` (DeepSpeed otherwise fails in the
-    second step with "Not enough buffers 0 for swapping 1").
+    ``sizes``: the numel of every parameter. Every swapped parameter (above the persistence threshold)
+    that is live or being prefetched holds one whole swap buffer, so the buffer count is raised to the
+    most swapped parameters that fit in ``max_live + prefetch`` (plus two), and ``max_reuse_distance``
+    is set to ``max_live``: with its default (1e9) DeepSpeed keeps every parameter it will use again
+    available after the traced first step and fails in the second one with "Not enough buffers 0 for
+    swapping 1".
     """
+    largest = max(sizes)
     buf = max(int(args.ds_buffer_size), largest)
     live = max(int(args.ds_max_live), 2 * largest)
     prefetch = max(int(args.ds_prefetch), largest)
-    buffers = max(args.ds_buffers, math.ceil((live + prefetch) / smallest) + 2)
+    fit, total = 0, 0
+    for n in sorted(n for n in sizes if n > DS_PERSISTENCE):
+        total += n
+        if total > live + prefetch:
+            break
+        fit += 1
+    buffers = max(args.ds_buffers, fit + 3)
     return {
         "train_batch_size": 1,
         "train_micro_batch_size_per_gpu": 1,
@@ -267,6 +276,7 @@ def zero_infinity_config(args: argparse.Namespace, largest: int, smallest: int, 
             "sub_group_size": max(int(args.ds_sub_group), largest),
             "stage3_max_live_parameters": live,
             "stage3_prefetch_bucket_size": prefetch,
+            "stage3_max_reuse_distance": live,
             "stage3_param_persistence_threshold": DS_PERSISTENCE,
             "offload_param": {
                 "device": "nvme",
@@ -339,8 +349,8 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
     with torch.device("meta"):
         shapes = GPT(cfg)
     n_params = sum(p.numel() for p in shapes.parameters())
-    largest = max(p.numel() for p in shapes.parameters())
-    smallest = min((p.numel() for p in shapes.parameters() if p.numel() > DS_PERSISTENCE), default=largest)
+    sizes = [p.numel() for p in shapes.parameters()]
+    largest = max(sizes)
     del shapes
     states = 16 * n_params
     print(f"GPT: {layers} layers x {width}, vocab {args.vocab}, seq {args.seq}: {n_params / 1e9:.3f}B parameters, "
@@ -348,7 +358,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
           flush=True)  # fmt: skip
     nvme = os.path.join(args.dir, "zero-infinity")
     os.makedirs(nvme, exist_ok=True)
-    ds_cfg = zero_infinity_config(args, largest, smallest, nvme)
+    ds_cfg = zero_infinity_config(args, sizes, nvme)
     print("deepspeed config:", json.dumps(ds_cfg["zero_optimization"]), flush=True)
 
     # The same initialisation law as ``init_fn`` (N(0, 0.02) matrices, unit LayerNorm scales, zero
