@@ -175,6 +175,7 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
         param_init_fn=init_fn,
         chunk_size=chunk,
         disk_io_threads=args.io_threads,
+        disk_prefetch=args.disk_prefetch,
     )
     opt = GeminiOptimizer(
         CPUAdam(gem.parameters(), lr=args.lr, flatten=False), gem, check_overflow=False, max_grad_norm=None
@@ -502,6 +503,7 @@ def main() -> None:
     ap.add_argument("--floor-gib", type=float, default=4.0, help="bytes of the raw O_DIRECT floor measurement")
     ap.add_argument("--chunk-mib", type=float, default=0, help="chunk size in MiB of fp32 (0: searched)")
     ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--disk-prefetch", type=int, default=2, help="GeminiDDP disk_prefetch (chunks read ahead)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--peer", choices=("zero-infinity",), default=None,
