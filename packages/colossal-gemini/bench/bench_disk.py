@@ -175,6 +175,7 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
         param_init_fn=init_fn,
         chunk_size=chunk,
         disk_io_threads=args.io_threads,
+        disk_prefetch=args.disk_prefetch,
     )
     opt = GeminiOptimizer(
         CPUAdam(gem.parameters(), lr=args.lr, flatten=False), gem, check_overflow=False, max_grad_norm=None
@@ -190,6 +191,7 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
     rows = []
     for step in range(args.steps):
         io0 = proc_io()
+        c0 = time.process_time()
         t = time.perf_counter()
         loss = lm_loss(gem(x), y)
         opt.backward(loss)
@@ -206,6 +208,7 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
             step=step,
             loss=loss.item(),
             step_s=t1 - t,
+            cpu_s=time.process_time() - c0,
             fwd_bwd_s=ts - t,
             optim_s=opt_s,
             disk_read_gb=s.disk_bytes_read / 1e9,
@@ -236,9 +239,30 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
     )
 
 
-def zero_infinity_config(args: argparse.Namespace, largest: int, nvme: str) -> dict:
-    """DeepSpeed ZeRO-3 config with parameters and optimizer states on NVMe (fp32, one rank, batch 1)."""
+DS_PERSISTENCE = 100_000  # DeepSpeed's default stage3_param_persistence_threshold: smaller parameters stay in RAM
+
+
+def zero_infinity_config(args: argparse.Namespace, sizes: list[int], nvme: str) -> dict:
+    """DeepSpeed ZeRO-3 config with parameters and optimizer states on NVMe (fp32, one rank, batch 1).
+
+    ``sizes``: the numel of every parameter. Every swapped parameter (above the persistence threshold)
+    that is live or being prefetched holds one whole swap buffer, so the buffer count is raised to the
+    most swapped parameters that fit in ``max_live + prefetch`` (plus two), and ``max_reuse_distance``
+    is set to ``max_live``: with its default (1e9) DeepSpeed keeps every parameter it will use again
+    available after the traced first step and fails in the second one with "Not enough buffers 0 for
+    swapping 1".
+    """
+    largest = max(sizes)
     buf = max(int(args.ds_buffer_size), largest)
+    live = max(int(args.ds_max_live), 2 * largest)
+    prefetch = max(int(args.ds_prefetch), largest)
+    fit, total = 0, 0
+    for n in sorted(n for n in sizes if n > DS_PERSISTENCE):
+        total += n
+        if total > live + prefetch:
+            break
+        fit += 1
+    buffers = max(args.ds_buffers, fit + 3)
     return {
         "train_batch_size": 1,
         "train_micro_batch_size_per_gpu": 1,
@@ -251,14 +275,15 @@ def zero_infinity_config(args: argparse.Namespace, largest: int, nvme: str) -> d
             "contiguous_gradients": True,
             "overlap_comm": False,
             "sub_group_size": max(int(args.ds_sub_group), largest),
-            "stage3_max_live_parameters": max(int(args.ds_max_live), 2 * largest),
-            "stage3_prefetch_bucket_size": max(int(args.ds_prefetch), largest),
-            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": live,
+            "stage3_prefetch_bucket_size": prefetch,
+            "stage3_max_reuse_distance": live,
+            "stage3_param_persistence_threshold": DS_PERSISTENCE,
             "offload_param": {
                 "device": "nvme",
                 "nvme_path": nvme,
                 "pin_memory": False,
-                "buffer_count": args.ds_buffers,
+                "buffer_count": buffers,
                 "buffer_size": buf,
                 "max_in_cpu": 1,
             },
@@ -281,6 +306,30 @@ def zero_infinity_config(args: argparse.Namespace, largest: int, nvme: str) -> d
     }
 
 
+def use_prebuilt_ops() -> None:
+    """Load DeepSpeed's JIT ops from ``TORCH_EXTENSIONS_DIR`` when they are already built there.
+
+    ``torch.utils.cpp_extension.load`` always runs ninja, and ninja recompiles every object whose
+    command it finds no record of (a missing or truncated ``.ninja_log``): on 2 loaded cores that is
+    half an hour for ``async_io`` alone. A built ``<dir>/<name>/<name>.so`` is imported as is.
+    """
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        return
+    build = cpp_extension.load
+
+    def load(name: str, *a, **kw):
+        so = os.path.join(root, name, f"{name}.so")
+        if os.path.exists(so):
+            print(f"deepspeed op {name}: prebuilt {so}", flush=True)
+            return cpp_extension._import_module_from_library(name, os.path.dirname(so), True)
+        return build(name, *a, **kw)
+
+    cpp_extension.load = load
+
+
 def run_zero_infinity(args: argparse.Namespace) -> dict:
     """Train the same GPT with DeepSpeed ZeRO-Infinity (ZeRO-3, params + optimizer on NVMe)."""
     if not torch.cuda.is_available():
@@ -288,6 +337,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
                  ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # fmt: skip
         os.environ.setdefault(k, v)
+    use_prebuilt_ops()
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -300,7 +350,8 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
     with torch.device("meta"):
         shapes = GPT(cfg)
     n_params = sum(p.numel() for p in shapes.parameters())
-    largest = max(p.numel() for p in shapes.parameters())
+    sizes = [p.numel() for p in shapes.parameters()]
+    largest = max(sizes)
     del shapes
     states = 16 * n_params
     print(f"GPT: {layers} layers x {width}, vocab {args.vocab}, seq {args.seq}: {n_params / 1e9:.3f}B parameters, "
@@ -308,7 +359,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
           flush=True)  # fmt: skip
     nvme = os.path.join(args.dir, "zero-infinity")
     os.makedirs(nvme, exist_ok=True)
-    ds_cfg = zero_infinity_config(args, largest, nvme)
+    ds_cfg = zero_infinity_config(args, sizes, nvme)
     print("deepspeed config:", json.dumps(ds_cfg["zero_optimization"]), flush=True)
 
     # The same initialisation law as ``init_fn`` (N(0, 0.02) matrices, unit LayerNorm scales, zero
@@ -337,6 +388,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
     rows = []
     for step in range(args.steps):
         io0 = proc_io()
+        c0 = time.process_time()
         t = time.perf_counter()
         loss = lm_loss(engine(x), y)
         engine.backward(loss)
@@ -348,6 +400,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
             step=step,
             loss=loss.item(),
             step_s=t1 - t,
+            cpu_s=time.process_time() - c0,
             fwd_bwd_s=ts - t,
             optim_s=t1 - ts,
             io_read_gb=(io1[0] - io0[0]) / 1e9,
@@ -367,7 +420,7 @@ def run_zero_infinity(args: argparse.Namespace) -> dict:
         hwm=vm_hwm(),
         disk_file_gb=disk_bytes / 1e9,
         detail=f"deepspeed {deepspeed.__version__}, sub_group {ds_cfg['zero_optimization']['sub_group_size']:.3g}, "
-        f"{args.ds_buffers} param buffers of {ds_cfg['zero_optimization']['offload_param'].get('buffer_size', 0):.3g}",
+        f"{ds_cfg['zero_optimization']['offload_param']['buffer_count']} param buffers of {ds_cfg['zero_optimization']['offload_param'].get('buffer_size', 0):.3g}",
     )
 
 
@@ -417,6 +470,7 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         ("loss by step", lambda r: " -> ".join(f"{x['loss']:.3f}" for x in r["rows"])),
         ("s/step (steps after the first)", lambda r: ", ".join(f"{x['step_s']:.1f}" for x in steady(r["rows"])) +
          f" (first {r['rows'][0]['step_s']:.1f})"),
+        ("process CPU s/step, all threads (steps after the first)", lambda r: ", ".join(f"{x['cpu_s']:.1f}" for x in steady(r["rows"]))),
         ("forward+backward / optimizer (last step)", lambda r: f"{r['rows'][-1]['fwd_bwd_s']:.1f} s / {r['rows'][-1]['optim_s']:.1f} s"),
         ("peak RSS (VmHWM) / RAM", lambda r: f"{r['hwm'] / GIB:.2f} GiB = {r['hwm'] / ram:.2f}x"),
         ("disk files", lambda r: f"{r['disk_file_gb']:.1f} GB"),
@@ -432,6 +486,9 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         print(
             f"| **throughput ours / {args.peer}** | **{b / a:.2f}x** ({a:.1f} vs {b:.1f} s/step, mean after the first step) | |"
         )
+        ca = sum(x["cpu_s"] for x in steady(ours["rows"])) / len(steady(ours["rows"]))
+        cb = sum(x["cpu_s"] for x in steady(peer["rows"])) / len(steady(peer["rows"]))
+        print(f"| CPU time {args.peer} / ours | {cb / ca:.2f}x ({ca:.1f} vs {cb:.1f} CPU s/step) | |")
 
 
 def main() -> None:
@@ -446,12 +503,18 @@ def main() -> None:
     ap.add_argument("--floor-gib", type=float, default=4.0, help="bytes of the raw O_DIRECT floor measurement")
     ap.add_argument("--chunk-mib", type=float, default=0, help="chunk size in MiB of fp32 (0: searched)")
     ap.add_argument("--io-threads", type=int, default=2)
+    ap.add_argument("--disk-prefetch", type=int, default=2, help="GeminiDDP disk_prefetch (chunks read ahead)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--peer", choices=("zero-infinity",), default=None,
                     help="also run DeepSpeed ZeRO-Infinity on the same model, each row in a fresh process")  # fmt: skip
     ap.add_argument("--ds-python", default=None, help="python of the venv with deepspeed (default: this one)")
-    ap.add_argument("--ds-buffers", type=int, default=8, help="offload_param.buffer_count")
+    ap.add_argument(
+        "--ds-buffers",
+        type=int,
+        default=8,
+        help="offload_param.buffer_count (at least (max_live + prefetch) / smallest swapped parameter + 2)",
+    )
     ap.add_argument("--ds-buffer-size", type=float, default=1.1e7, help="offload_param.buffer_size (>= largest param)")
     ap.add_argument("--ds-max-live", type=float, default=2e7, help="stage3_max_live_parameters (>= 2x largest)")
     ap.add_argument("--ds-prefetch", type=float, default=1e7, help="stage3_prefetch_bucket_size (>= largest)")
