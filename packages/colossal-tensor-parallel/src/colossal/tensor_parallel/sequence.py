@@ -68,18 +68,27 @@ def _ring_chunks(x: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
     return chunks
 
 
-def _mask_scores(scores: torch.Tensor, rows0: int, causal: bool, key_mask: torch.Tensor | None) -> torch.Tensor:
-    """Mask ``scores (B, h, t, T)`` whose rows are global query positions ``rows0 + i``: causal
-    (a key after the query) and key padding (``key_mask (B, T)``, ``False`` = padding). Masked
-    scores get the dtype's lowest value, as Hugging Face's eager attention does, so that a row
-    with nothing to attend gives a uniform average rather than NaN."""
+def _mask_scores(
+    scores: torch.Tensor,
+    rows0: int,
+    causal: bool,
+    key_mask: torch.Tensor | None,
+    cols0: int = 0,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Mask ``scores (B, h, t, n)`` whose rows are global query positions ``rows0 + i`` and columns
+    global key positions ``cols0 + j``: causal (a key after the query) and key padding
+    (``key_mask (B, T)`` over the whole sequence, ``False`` = padding). Masked scores get the
+    dtype's lowest value, as Hugging Face's eager attention does, so that a row with nothing to
+    attend gives a uniform average rather than NaN. ``inplace`` masks ``scores`` itself."""
+    fill = torch.Tensor.masked_fill_ if inplace else torch.Tensor.masked_fill
     low = torch.finfo(scores.dtype).min
     if causal:
         rows = torch.arange(scores.shape[-2], device=scores.device).unsqueeze(1) + rows0
-        cols = torch.arange(scores.shape[-1], device=scores.device).unsqueeze(0)
-        scores = scores.masked_fill(cols > rows, low)
+        cols = torch.arange(scores.shape[-1], device=scores.device).unsqueeze(0) + cols0
+        scores = fill(scores, cols > rows, low)
     if key_mask is not None:
-        scores = scores.masked_fill(~key_mask.bool()[:, None, None, :], low)
+        scores = fill(scores, ~key_mask.bool()[:, None, None, cols0 : cols0 + scores.shape[-1]], low)
     return scores
 
 
@@ -90,16 +99,8 @@ RING_BLOCK = 512
 
 def _block_scores(q, kb, scale, rows0, cols0, causal, key_mask):
     """Scaled scores ``(B, h, t, n)`` of queries at global rows ``rows0 + i`` against the key block
-    at global columns ``cols0 + j``, masked as :func:`_mask_scores` masks (lowest value)."""
-    s = (q @ kb.transpose(-1, -2)).mul_(scale)
-    low = torch.finfo(s.dtype).min
-    if causal:
-        rows = torch.arange(s.shape[-2], device=s.device).unsqueeze(1) + rows0
-        cols = torch.arange(s.shape[-1], device=s.device).unsqueeze(0) + cols0
-        s.masked_fill_(cols > rows, low)
-    if key_mask is not None:
-        s.masked_fill_(~key_mask[:, None, None, cols0 : cols0 + s.shape[-1]], low)
-    return s
+    at global columns ``cols0 + j``, masked by :func:`_mask_scores` in place."""
+    return _mask_scores((q @ kb.transpose(-1, -2)).mul_(scale), rows0, causal, key_mask, cols0, inplace=True)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -126,14 +127,8 @@ class _RingAttention(torch.autograd.Function):
         p, r, t = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
         d = k.shape[-1]
         with torch.no_grad():
-            kv = torch.cat([k, v], dim=-1)  # one ring step carries both
-            chunks = [None] * p
-            cur = kv
-            for step in range(p):
-                chunks[(r - step) % p] = cur
-                if step < p - 1:
-                    cur = ring_exchange(cur, group, shift=1, tag="tp.sequence.ring")
-            kv_all = torch.cat(chunks, dim=-2)  # (B, h, T, 2d), by global position
+            # one ring step carries both k and v; (B, h, T, 2d) by global position
+            kv_all = torch.cat(_ring_chunks(torch.cat([k, v], dim=-1), group), dim=-2)
             ct = _compute_dtype(q)  # half inputs keep their softmax statistics in float32
             qc = q.to(ct)
             row_max = qc.new_full((*q.shape[:-1], 1), float("-inf"))

@@ -37,17 +37,22 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def _model_init(model: nn.Module) -> None:
+def _model_init(model: nn.Module) -> bool:
     """Run a Hugging Face model's own initialiser (``_init_weights``, each module after its children,
-    as ``transformers`` does): ``to_empty`` leaves modules without ``reset_parameters`` (GPT-2's
-    ``Conv1D``, RMSNorm) and non-persistent buffers (BERT's ``position_ids``) uninitialised, and the
-    model's distributions (std ``initializer_range``) are not ``reset_parameters``' anyway."""
+    as ``transformers`` does) on every module that holds no meta tensor (a pipeline rank's other
+    stages stay meta); ``False`` when the model has none. ``to_empty`` leaves modules without
+    ``reset_parameters`` (GPT-2's ``Conv1D``, RMSNorm) and non-persistent buffers (BERT's
+    ``position_ids``) uninitialised, and the model's distributions (std ``initializer_range``) are
+    not ``reset_parameters``' anyway."""
     init = getattr(model, "_init_weights", None)
     if not callable(init):
-        return
+        return False
     with torch.no_grad():
         for module in reversed(list(model.modules())):
-            init(module)
+            tensors = [*module.parameters(), *module.buffers()]
+            if tensors and not any(t.is_meta for t in tensors):
+                init(module)
+    return True
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:

@@ -182,14 +182,10 @@ class HFPolicy:
         rank's stages) with the model's own ``_init_weights``, each module after its children as
         ``transformers`` does, so the distributions and the non-persistent buffers (BERT's
         ``position_ids``) are the model's. Modules holding a meta tensor (other stages') are skipped."""
-        init = getattr(model, "_init_weights", None)
-        if init is None:
+        from colossalai.booster.ddp_plugin import _model_init
+
+        if not _model_init(model):
             raise NotImplementedError(f"{self.model_type}: {type(model).__name__} has no _init_weights to run")
-        with torch.no_grad():
-            for module in reversed(list(model.modules())):  # children before their parent
-                tensors = [*module.parameters(), *module.buffers()]
-                if tensors and not any(t.is_meta for t in tensors):
-                    init(module)
 
     def stage_fns(self, model: nn.Module, device: torch.device):
         """``(embed, head, block_call)`` of the pipeline stages (:func:`.hf_pipeline.hf_stage_fns`)."""
