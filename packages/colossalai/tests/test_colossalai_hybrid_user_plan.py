@@ -87,6 +87,18 @@ def _sequential():
     return nn.Sequential(nn.Embedding(V, D), nn.Linear(D, V))
 
 
+class _Spare(nn.Module):
+    """A user model with a parameter its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.spare = nn.Parameter(torch.ones(3))
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
 def _seq_loss(model, batch):
     ids = batch["ids"]
     return F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
@@ -102,6 +114,11 @@ def _world2():
     return {
         "tp2": boosted_losses(HybridParallelPlugin(tp_size=2, plan=PLAN), TinyLM, _batches(), _lm_loss),
         "sequential_tp1": boosted_losses(HybridParallelPlugin(tp_size=1), _sequential, _batches(), _seq_loss),
+        # dp 2 (DDP) over a model with an unused parameter, as TorchDDPPlugin(find_unused_parameters=True)
+        "unused_dp2": boosted_losses(
+            HybridParallelPlugin(tp_size=1, find_unused_parameters=True), _Spare, _batches(), _seq_loss
+        ),
+        "unused_flag": errors_on_every_rank(lambda: HybridParallelPlugin(find_unused_parameters="yes")),
         "no_plan": errors_on_every_rank(lambda: _boost(HybridParallelPlugin(tp_size=2), TinyLM)),
         "bad_plan": errors_on_every_rank(
             lambda: _boost(HybridParallelPlugin(tp_size=2, plan={**PLAN, "blocks.*.attn": Style.HEADS}), TinyLM)
@@ -120,9 +137,12 @@ def _world4():
 def test_user_plan_trains_like_plain_pytorch_and_bad_plans_fail_up_front():
     ref = torch.tensor(dense_losses(TinyLM, _batches(), _lm_loss))
     ref_seq = torch.tensor(dense_losses(_sequential, _batches(), _seq_loss))
+    ref_spare = torch.tensor(dense_losses(_Spare, _batches(), _seq_loss))
     for got in run_distributed(_world2, 2, timeout=120):
         torch.testing.assert_close(torch.tensor(got["tp2"]), ref, rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(got["sequential_tp1"]), ref_seq, rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(got["unused_dp2"]), ref_spare, rtol=1e-5, atol=0)
+        assert "find_unused_parameters must be a bool, got 'yes'" in got["unused_flag"]
         assert "pass plan=" in got["no_plan"] and "layers.*.mixer.wq" in got["no_plan"], got["no_plan"]
         assert "['blocks.*.attn'] match no module" in got["bad_plan"], got["bad_plan"]
         assert "layers.*.ffn.0" in got["bad_plan"], got["bad_plan"]

@@ -16,9 +16,9 @@ def dp_group(mesh, sp_size: int):
     return mesh.product_group("dp", "sp") if sp_size > 1 else mesh.group("dp")
 
 
-def apply_ddp(wrapped: nn.Module, group, device: torch.device) -> nn.Module:
+def apply_ddp(wrapped: nn.Module, group, device: torch.device, find_unused_parameters: bool = False) -> nn.Module:
     """``wrapped`` in DDP over ``group`` (unchanged when the group has one rank)."""
     if torch.distributed.get_world_size(group) == 1:
         return wrapped
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(wrapped, device_ids=ids, process_group=group)
+    return DDP(wrapped, device_ids=ids, process_group=group, find_unused_parameters=find_unused_parameters)

@@ -118,6 +118,8 @@ class HybridParallelPlugin(Plugin):
     With ``sp_size > 1`` a Mixtral's experts split over the ``dp x sp`` ranks (its routing is
     dropless and per token; ``colossal.moe.MoE`` layers, whose capacity and aux loss are per rank,
     raise ``ValueError``: ``[Note: expert x sequence parallelism]`` in :mod:`colossalai.booster.hybrid.ep`).
+    ``find_unused_parameters`` is DDP's, as in ``TorchDDPPlugin`` (a model with parameters that get no
+    gradient in a step, under dp > 1 without ZeRO).
     Not supported (``NotImplementedError``): ``zero_stage=3``, fp16 with ``zero_stage`` 1/2 (the
     Booster refuses it when built). ``ep_size > 1`` with a ``tp_mode`` other than 1d raises
     ``ValueError`` (ep composes with dp, ZeRO 1/2, 1D tp, pp and, for Mixtral, sp).
@@ -140,7 +142,10 @@ class HybridParallelPlugin(Plugin):
         pp_virtual: int = 1,
         ep_size: int = 1,
         plan: dict | None = None,
+        find_unused_parameters: bool = False,
     ) -> None:
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
         sizes = (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size), ("pp_size", pp_size))
         sizes += (("ep_size", ep_size),)
         sizes += (("pp_virtual", pp_virtual), ("num_microbatches", num_microbatches or 1))
@@ -166,6 +171,9 @@ class HybridParallelPlugin(Plugin):
         """The user's module-name pattern -> Style(s) (``[Note: one plan for tensor and sequence
         parallelism]`` in :mod:`.plans`); ``None``: the built-in plan of the model's family."""
         self.ep_size = ep_size
+        self.find_unused_parameters = find_unused_parameters
+        """Passed to DDP over the dp (x sp) group, as ``TorchDDPPlugin``'s: a parameter that gets no
+        gradient in a step is allowed (and left untouched, as in plain PyTorch)."""
         self._ep: ExpertParallel | None = None  # what apply_expert_parallel did (ep_size > 1)
         self._ep_rows = False  # load_checkpoint_pieces: expert templates are this rank's rows
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
@@ -274,7 +282,9 @@ class HybridParallelPlugin(Plugin):
         if self.zero_stage:
             return wrapped, self._zero_optimizer(model, optimizer, group)
         optimizer = self._clipping_optimizer(model, optimizer, precision, mesh)
-        return (wrapped if self._pipe is not None else apply_ddp(wrapped, group, self.device)), optimizer
+        if self._pipe is not None:
+            return wrapped, optimizer
+        return apply_ddp(wrapped, group, self.device, self.find_unused_parameters), optimizer
 
     def _clipping_optimizer(self, model: nn.Module, optimizer, precision, mesh):
         """The optimizer view that clips by the dense norm: over tp (or sp), or over pp x tp."""
