@@ -49,6 +49,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -193,13 +194,15 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
         io0 = proc_io()
         c0 = time.process_time()
         t = time.perf_counter()
+        wait0 = disk.counters()[2]
         loss = lm_loss(gem(x), y)
         opt.backward(loss)
-        r0, w0, _ = disk.counters()
+        r0, w0, wait1 = disk.counters()
         ts = time.perf_counter()
+        cs = time.process_time()
         opt.step()
         t1 = time.perf_counter()
-        r1, w1, _ = disk.counters()
+        r1, w1, wait2 = disk.counters()
         io1 = proc_io()
         s = gem.stats
         opt_s = t1 - ts
@@ -211,6 +214,9 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
             cpu_s=time.process_time() - c0,
             fwd_bwd_s=ts - t,
             optim_s=opt_s,
+            optim_cpu_s=time.process_time() - cs,
+            io_wait_fwd_bwd_s=wait1 - wait0,
+            io_wait_optim_s=wait2 - wait1,
             disk_read_gb=s.disk_bytes_read / 1e9,
             disk_written_gb=s.disk_bytes_written / 1e9,
             io_read_gb=(io1[0] - io0[0]) / 1e9,
@@ -429,6 +435,30 @@ def steady(rows: list[dict]) -> list[dict]:
     return rows[1:] or rows
 
 
+def _watch_rss(proc: subprocess.Popen, limit: float) -> list[int]:
+    """Kill ``proc`` when its resident set exceeds ``limit`` bytes (so a row that needs more memory than the
+    machine has fails with a figure instead of waking the kernel's OOM killer); the returned list gets
+    the RSS it was killed at."""
+    killed: list[int] = []
+
+    def watch() -> None:
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    rss = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+            except (OSError, StopIteration):
+                return
+            if rss > limit:
+                killed.append(rss)
+                print(f"== killing pid {proc.pid}: RSS {rss / GIB:.1f} GiB > limit {limit / GIB:.1f} GiB", flush=True)
+                proc.kill()
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
 def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
     """Run each row in a fresh process and print the comparison table with the throughput ratio."""
     here = os.path.abspath(__file__)
@@ -442,6 +472,7 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         t = time.perf_counter()
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # DeepSpeed's CPU Adam uses OpenMP
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        killed = _watch_rss(proc, args.rss_limit_gib * GIB)
         result = None
         for line in proc.stdout:
             if line.startswith("RESULT "):
@@ -451,6 +482,10 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         rc = proc.wait()
         shutil.rmtree(sub, ignore_errors=True)
         print(f"== row {name}: exit {rc} after {time.perf_counter() - t:.0f} s (load {os.getloadavg()})", flush=True)
+        if result is None and killed:
+            result = dict(
+                row=name, failed=f"killed by the bench at {killed[0] / GIB:.1f} GiB RSS (limit --rss-limit-gib)"
+            )
         if result is None:
             result = dict(row=name, failed=f"exit status {rc}, no result (see the [{name}] lines above)")
         results[name] = result
@@ -472,6 +507,8 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
          f" (first {r['rows'][0]['step_s']:.1f})"),
         ("process CPU s/step, all threads (steps after the first)", lambda r: ", ".join(f"{x['cpu_s']:.1f}" for x in steady(r["rows"]))),
         ("forward+backward / optimizer (last step)", lambda r: f"{r['rows'][-1]['fwd_bwd_s']:.1f} s / {r['rows'][-1]['optim_s']:.1f} s"),
+        ("I/O wait forward+backward / optimizer (last step)", lambda r: f"{r['rows'][-1]['io_wait_fwd_bwd_s']:.1f} s / "
+         f"{r['rows'][-1]['io_wait_optim_s']:.1f} s" if "io_wait_optim_s" in r["rows"][-1] else "not counted"),
         ("peak RSS (VmHWM) / RAM", lambda r: f"{r['hwm'] / GIB:.2f} GiB = {r['hwm'] / ram:.2f}x"),
         ("disk files", lambda r: f"{r['disk_file_gb']:.1f} GB"),
         ("block-device bytes per step (last, /proc/self/io)", lambda r: f"read {r['rows'][-1]['io_read_gb']:.1f} GB, "
@@ -519,6 +556,8 @@ def main() -> None:
     ap.add_argument("--ds-max-live", type=float, default=2e7, help="stage3_max_live_parameters (>= 2x largest)")
     ap.add_argument("--ds-prefetch", type=float, default=1e7, help="stage3_prefetch_bucket_size (>= largest)")
     ap.add_argument("--ds-sub-group", type=float, default=2e7, help="sub_group_size (>= largest)")
+    ap.add_argument("--rss-limit-gib", type=float, default=0.85 * mem_total() / GIB,
+                    help="a row whose RSS passes this is killed and reported as failed (default 0.85x RAM)")  # fmt: skip
     ap.add_argument("--row", choices=("ours", "zero-infinity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--floor-bps", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
