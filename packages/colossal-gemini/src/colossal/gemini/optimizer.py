@@ -97,6 +97,7 @@ class GeminiOptimizer:
         self.slices: dict[int, list[tuple[nn.Parameter, int, int, str]]] = {}  # chunk -> (fake, lo, hi, name)
         self.empty: list[tuple[nn.Parameter, str]] = []  # layer-wise: (empty fake, name) of parameters held elsewhere
         self._replace_params()
+        self.manager.repoint = self._repoint  # see [Note: aliased masters] in colossal.gemini.chunk_manager
         self.skipped_steps = 0
 
     def _replace_params(self) -> None:
@@ -135,6 +136,11 @@ class GeminiOptimizer:
         if self.manager.sharded:  # whole chunks on every rank need no reduction
             self.optim.norm_reducer = group_norm_reducer(self.manager.group, all_reduce=_reduce("norms"))
 
+    def _repoint(self, chunk: Chunk) -> None:
+        """Point the optimizer's slice views of ``chunk`` at its current master."""
+        for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
+            fake.data = chunk.master[lo:hi]
+
     # -- training API -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with loss scaling."""
@@ -142,11 +148,17 @@ class GeminiOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""
+        if self.model.native_grads() is not None:  # see [Note: native gradients] in colossal.gemini.ddp
+            for p in self.manager.chunk_of:
+                p.grad = None
         for c in self.manager.chunks:
             c.has_grad = False
             c.got_grad.clear()
 
     def _grads(self) -> list[torch.Tensor]:
+        native = self.model.native_grads()
+        if native is not None:  # the gradients autograd left in param.grad ([Note: native gradients])
+            return [p.grad for p, _ in native if p.grad is not None]
         for c in self.manager.chunks:
             if not c.has_grad:  # no backward since the last step: stale contents mean zero
                 c.grad_shard.zero_()
@@ -203,6 +215,9 @@ class GeminiOptimizer:
         """Names of the parameters no rank gave a gradient since the last step (collective when
         data-parallel; see [Note: parameters without a gradient])."""
         m = self.manager
+        native = self.model.native_grads()
+        if native is not None:  # one rank: param.grad says it
+            return {name for p, name in native if p.grad is None}
         infos = [(c, info) for c in m.chunks for info in c.tensors]
         got = [info.offset in c.got_grad for c, info in infos]
         if m.dp_size > 1:
@@ -212,7 +227,14 @@ class GeminiOptimizer:
         return {info.name for (_, info), g in zip(infos, got, strict=True) if not g}
 
     def _inner_step(self, without: set[str] = frozenset()) -> None:
-        for chunk in self.manager.chunks:
+        native = self.model.native_grads()
+        if native is not None:  # whole parameters, one slice each: their own gradients, flattened (no copy)
+            grad = {name: p.grad for p, name in native}
+            for chunk in self.manager.chunks:
+                for fake, _, _, name in self.slices.get(chunk.id, ()):
+                    g = grad[name]
+                    fake.grad = None if g is None else g.view(-1)
+        for chunk in self.manager.chunks if native is None else ():
             for fake, lo, hi, name in self.slices.get(chunk.id, ()):
                 fake.grad = None if name in without else chunk.grad_shard[lo:hi]
         for fake, name in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
@@ -252,7 +274,7 @@ class GeminiOptimizer:
         src_tier, dst_tier = m.tier(chunk.o_tier), m.tier(dst)
         m.move_optim(chunk, dst)
         for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
-            fake.data = chunk.master[lo:hi]
+            fake.data = chunk.master[lo:hi]  # (a master aliased with the payload was copied: it is its own now)
             state = self.optim.state.get(fake, {})
             for k, t in list(state.items()):
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
