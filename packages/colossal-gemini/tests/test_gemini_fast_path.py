@@ -161,3 +161,21 @@ def test_leave_fast_path_mid_step_and_evict():
             opt.step()
             _ref_step(ref, ref_opt, step, 1)
         _check(ref, gem)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_native_overflow_skips_the_step(bad):
+    ref, ref_opt, model, gem, opt = _pair()
+    for step in range(STEPS):
+        opt.backward(_loss(gem, step, 0))
+        if step == 3:
+            assert gem._native
+            before = {k: v.clone() for k, v in gem.state_dict().items()}
+            model.blocks[0][0].weight.grad[1, 2] = bad  # a non-finite gradient, as an overflow leaves it
+            assert opt.step() is False and opt.skipped_steps == 1
+            assert all(torch.equal(v, before[k]) for k, v in gem.state_dict().items())  # nothing stepped
+            assert all(p.grad is None for p in model.parameters())  # and the gradients are dropped
+            continue  # the reference skips the step too
+        assert opt.step() is True
+        _ref_step(ref, ref_opt, step, 1)
+        _check(ref, gem)

@@ -206,6 +206,7 @@ class GeminiDDP(nn.Module):
         self._fast_non_model = 0  # the non-model part of it (the largest traced peak)
         self._reset_iteration()
         self._native = False  # see [Note: native gradients]
+        self._native_params = [(info.param, info.name) for c in self.manager.chunks for info in c.tensors]
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.manager.chunk_of]
         self._module_handles: list = []
         self._attach_module_hooks()
@@ -368,9 +369,7 @@ class GeminiDDP(nn.Module):
     def native_grads(self) -> list[tuple[nn.Parameter, str]] | None:
         """``(parameter, name)`` of every parameter when gradients are in ``param.grad`` (``[Note: native
         gradients]``), else None."""
-        if not self._native:
-            return None
-        return [(info.param, info.name) for c in self.manager.chunks for info in c.tensors]
+        return self._native_params if self._native else None
 
     def _mark_backward_start(self, output):
         """Begin the backward pass when the output's gradient arrives, i.e. in the outermost backward: with

@@ -105,6 +105,7 @@ class GeminiOptimizer:
         layerwise = hasattr(self.optim, "norm_reducer")  # see [Note: element-wise and layer-wise optimizers]
         if layerwise:
             self._install_norm_reducer()
+        self._whole: list[tuple[nn.Parameter, nn.Parameter]] = []  # (slice, parameter): used unsharded only
         for group in self.optim.param_groups:
             fakes = []
             for p in group["params"]:
@@ -124,6 +125,7 @@ class GeminiOptimizer:
                 else:
                     fake = nn.Parameter(chunk.master[lo:hi])
                 self.slices.setdefault(chunk.id, []).append((fake, lo, hi, info.name))
+                self._whole.append((fake, info.param))
                 fakes.append(fake)
             group["params"] = fakes
 
@@ -177,7 +179,7 @@ class GeminiOptimizer:
                 self.scaler.unscale_(grads)
             # fp16's dynamic scale can overflow; fp32/bf16 with a constant scaler are checked only on request
             check = self.check_overflow or isinstance(self.scaler, DynamicLossScaler)
-            found_inf = check and has_inf_or_nan(grads, group=self.manager.group, all_reduce=_reduce("overflow"))
+            found_inf = check and self._overflow(grads)
             if found_inf:
                 self.skipped_steps += 1
             else:
@@ -189,6 +191,16 @@ class GeminiOptimizer:
             self.zero_grad()
             self.model.end_iteration(None if found_inf else self)
             return not found_inf
+
+    def _overflow(self, grads: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradients hold an inf or NaN. On one rank with gradients in ``param.grad``
+        (``[Note: native gradients]``) finite sums prove it first (one op per tensor; ``has_inf_or_nan``
+        adds grouping, a flag and a reduction that cost as much again on small models) and
+        ``has_inf_or_nan`` decides only when a sum is not finite."""
+        if self.model.native_grads() is not None and grads:
+            if bool(torch.stack([g.sum() for g in grads]).isfinite().all()):
+                return False
+        return has_inf_or_nan(grads, group=self.manager.group, all_reduce=_reduce("overflow"))
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm of the gradients the next ``step()`` applies (unscaled), over every rank's chunk
@@ -227,14 +239,10 @@ class GeminiOptimizer:
         return {info.name for (_, info), g in zip(infos, got, strict=True) if not g}
 
     def _inner_step(self, without: set[str] = frozenset()) -> None:
-        native = self.model.native_grads()
-        if native is not None:  # whole parameters, one slice each: their own gradients, flattened (no copy)
-            grad = {name: p.grad for p, name in native}
-            for chunk in self.manager.chunks:
-                for fake, _, _, name in self.slices.get(chunk.id, ()):
-                    g = grad[name]
-                    fake.grad = None if g is None else g.view(-1)
-        for chunk in self.manager.chunks if native is None else ():
+        if self.model.native_grads() is not None:  # see [Note: native gradients] in colossal.gemini.ddp
+            self._native_step()
+            return
+        for chunk in self.manager.chunks:
             for fake, lo, hi, name in self.slices.get(chunk.id, ()):
                 fake.grad = None if name in without else chunk.grad_shard[lo:hi]
         for fake, name in self.empty:  # an empty gradient: the rule keeps this parameter's scalar states too
@@ -246,6 +254,19 @@ class GeminiOptimizer:
             for fake, *_ in self.slices.get(chunk.id, ()):
                 fake.grad = None
             self.manager.refresh_working(chunk)
+
+    def _native_step(self) -> None:
+        """Step on the gradients in ``param.grad``: whole parameters, one slice each (the chunks are not
+        sharded), so each slice's gradient is its parameter's, flattened (a view, no copy); a parameter
+        whose ``.grad`` is None gets none and is skipped by the wrapped optimizer. The masters are the
+        working chunks: nothing to refresh."""
+        pairs = self._whole
+        for fake, p in pairs:
+            g = p.grad
+            fake.grad = None if g is None else g.view(-1)
+        self.optim.step()
+        for fake, _ in pairs:
+            fake.grad = None
 
     # -- optimizer blocks (used by the placement at the end of warm-up) -----------------------------------
     def block_bytes(self, chunk: Chunk) -> int:
