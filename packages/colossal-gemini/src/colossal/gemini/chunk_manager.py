@@ -3,6 +3,18 @@
 It owns the tiers, the traffic counter and every data movement (fetch, evict, gather, release,
 gradient reduction). It decides nothing: *which* chunk to fetch or evict is the placement
 policy's choice (:mod:`colossal.gemini.placement`).
+
+[Note: aliased masters]
+With fp32 working data, whole chunks on this rank (not sharded) and both the working payload and
+the optimizer block on the device tier (no disk tier), the fp32 master would be a copy of the
+payload, refreshed by a full copy after every step. Instead ``chunk.master`` *is* ``chunk.payload``
+from the first refresh that finds the chunk so (``refresh_working``): the optimizer steps the
+working parameters in place, as ``torch.optim`` does on a plain module, and the refresh is a no-op.
+The freed master keeps its accounting (the device tier still counts its bytes), so giving the
+master its own buffer again can never fail on the budget: ``_drop_payload`` does that before the
+payload's storage goes (an eviction), and ``move_optim`` copies the master to its new tier as
+before (the payload stays). ``repoint`` (set by ``GeminiOptimizer``) re-points the optimizer's
+slice views after ``chunk.master`` changed.
 """
 
 from __future__ import annotations
@@ -83,6 +95,7 @@ class ChunkManager:
         self.disk_homed: set[int] = set()  # static: chunks whose working shard lives on disk between uses
         self.host_allowance: int | None = None  # auto: host bytes working shards may hold (the rest spill)
         self.spill_rank = None  # callable(chunk) -> float: host shards spill to disk highest rank first
+        self.repoint = None  # callable(chunk): re-point the optimizer's views after chunk.master changed
         numels = [p.numel() for _, p in params]
         size = chunk_size or search_chunk_size(numels, align=self.world_size)
         size = -(-size // self.world_size) * self.world_size
@@ -213,6 +226,8 @@ class ChunkManager:
 
     def _drop_payload(self, chunk: Chunk) -> None:
         chunk.to_released()
+        if self.aliased(chunk):  # the master outlives the payload's storage
+            self._unalias(chunk)
         chunk.payload.untyped_storage().resize_(0)
         self.device.refund(chunk.nbytes)
 
@@ -417,8 +432,41 @@ class ChunkManager:
         chunk.after_reduce()
 
     # -- master weights --------------------------------------------------------------------------------
+    def can_alias(self, chunk: Chunk) -> bool:
+        """Whether the chunk's fp32 master can be its working payload itself (see ``[Note: aliased
+        masters]``): fp32 working data, whole chunks on this rank, both on the device tier, no disk tier."""
+        return (
+            self.disk is None
+            and self.dtype == torch.float32
+            and not self.sharded
+            and chunk.state is ChunkState.GATHERED
+            and chunk.w_tier == "device"
+            and chunk.o_tier == "device"
+        )
+
+    @staticmethod
+    def aliased(chunk: Chunk) -> bool:
+        """True while the chunk's master *is* its payload (the optimizer steps the working data in place)."""
+        return chunk.master is chunk.payload
+
+    def _alias(self, chunk: Chunk) -> None:
+        """Make the payload the master (equal in fp32 after a refresh); the old master's memory is freed,
+        its accounting kept (breaking the alias needs the bytes back: it can never fail on the budget)."""
+        chunk.master = chunk.payload
+        if self.repoint is not None:
+            self.repoint(chunk)
+
+    def _unalias(self, chunk: Chunk) -> None:
+        """Give the master its own buffer again (before the payload is dropped)."""
+        chunk.master = chunk.payload.detach().clone()
+        if self.repoint is not None:
+            self.repoint(chunk)
+
     def refresh_working(self, chunk: Chunk) -> None:
-        """Copy the updated fp32 master shard into the working-precision data (after a step)."""
+        """Copy the updated fp32 master shard into the working-precision data (after a step); a master that
+        is the working data (``[Note: aliased masters]``) needs no copy, and one that can become it does."""
+        if self.aliased(chunk):
+            return
         if self.disk is not None:
             from colossal.gemini.disk import refresh_from
 
@@ -433,6 +481,8 @@ class ChunkManager:
             count(self.traffic, src, dst, target.numel() * target.element_size(), chunk.id, "param_refresh", start)
         if self.sharded:
             self.release(chunk)  # a stale gathered payload must not survive the update
+        elif self.can_alias(chunk):
+            self._alias(chunk)
 
     def move_optim(self, chunk: Chunk, dst: str) -> None:
         """Move the chunk's master and gradient shards to tier ``dst`` (optimizer states: the optimizer)."""

@@ -103,6 +103,20 @@ and runs the plain module; only the per-parameter gradient hooks stay (a gradien
 into its chunk, and chunks are still reduced as they complete). The check is redone at every
 ``forward`` (a checkpoint load or an observer, e.g. the profiler, which wants per-module samples,
 turns the hooks back on), so leaving the fast path is always possible.
+
+[Note: native gradients]
+On one rank (nothing to reduce) with every master aliased to its working chunk (``[Note: aliased
+masters]`` in ``colossal.gemini.chunk_manager``: fp32, the optimizer steps the parameters' own
+storage), a gradient needs no chunk either: the fast path also detaches the per-parameter gradient
+hooks and leaves each gradient in ``param.grad``, where autograd's ``AccumulateGrad`` puts it (and
+adds the next micro-batch's to it), exactly as for a plain module. ``GeminiOptimizer.step`` hands
+those tensors (flattened views, no copy) to the wrapped optimizer, checks, unscales and clips them,
+and a parameter whose ``.grad`` is None is left untouched, as by ``torch.optim``. The fp32 gradient
+shards are not used then: their storage is dropped while native (autograd's gradients take those
+accounted bytes) and given back when an iteration leaves the fast path (``_leave_native``: the
+gradients in ``param.grad`` are moved into the chunks first, and the hooks come back), so any
+iteration after can still fetch, evict, reduce or accumulate as usual. Only a pass that starts with
+no gradient in the chunks goes native (an earlier non-native pass of the same step keeps hooks on).
 """
 
 from __future__ import annotations
@@ -191,6 +205,8 @@ class GeminiDDP(nn.Module):
         self._fast_need = 0  # bytes the resident fast path needs free next to the model data (set after warm-up)
         self._fast_non_model = 0  # the non-model part of it (the largest traced peak)
         self._reset_iteration()
+        self._native = False  # see [Note: native gradients]
+        self._native_params = [(info.param, info.name) for c in self.manager.chunks for info in c.tensors]
         self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.manager.chunk_of]
         self._module_handles: list = []
         self._attach_module_hooks()
@@ -299,16 +315,61 @@ class GeminiDDP(nn.Module):
         if self._resident():  # see [Note: resident fast path]
             if self._module_handles:
                 self._detach_module_hooks()
+            if self._native_ok():
+                self._enter_native()
+            else:
+                self._leave_native()
             m = self.manager
             model, non_model, peak = m.device.used_bytes, self._fast_non_model, self._peak
             self._peak = [max(peak[0], model), max(peak[1], non_model), max(peak[2], model + non_model)]
             return self._mark_backward_start(self.module(*args, **kwargs))
+        self._leave_native()
         self._attach_module_hooks()
         if self.warmup and torch.is_grad_enabled() and not self._tracking:
             self.tracker.__enter__()
             self._tracking = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self._mark_backward_start(self.module(*args, **kwargs))
+
+    def _native_ok(self) -> bool:
+        """Whether this (resident) iteration can leave gradients in ``param.grad`` (``[Note: native gradients]``)."""
+        m = self.manager
+        if self._native:  # a further micro-batch: its gradients add to param.grad
+            return True
+        return m.dp_size == 1 and all(m.aliased(c) and not c.has_grad and c.grad_buffer is None for c in m.chunks)
+
+    def _enter_native(self) -> None:
+        if self._native:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for c in self.manager.chunks:  # autograd's gradients stand in for these accounted bytes
+            c.grad_shard.untyped_storage().resize_(0)
+        self._native = True
+
+    def _leave_native(self) -> None:
+        """Move the gradients autograd left in ``param.grad`` into the chunks; hooks back on."""
+        if not self._native:
+            return
+        self._native = False
+        for c in self.manager.chunks:
+            c.grad_shard.untyped_storage().resize_(c.grad_shard.numel() * c.grad_shard.element_size())
+            got = [info for info in c.tensors if info.param.grad is not None]
+            if not got:
+                continue  # has_grad stays False: the next step reads zeros
+            c.grad_shard.zero_()
+            for info in got:
+                c.grad_shard[info.offset : info.offset + info.numel].copy_(info.param.grad.reshape(-1))
+                c.got_grad.add(info.offset)
+                info.param.grad = None
+            c.has_grad = True
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.manager.chunk_of]
+
+    def native_grads(self) -> list[tuple[nn.Parameter, str]] | None:
+        """``(parameter, name)`` of every parameter when gradients are in ``param.grad`` (``[Note: native
+        gradients]``), else None."""
+        return self._native_params if self._native else None
 
     def _mark_backward_start(self, output):
         """Begin the backward pass when the output's gradient arrives, i.e. in the outermost backward: with
@@ -601,7 +662,8 @@ class GeminiDDP(nn.Module):
         quiet = self.tracker.suspended() if self._tracking else contextlib.nullcontext()
         with quiet:
             self._leave_backward_op()
-            self._reduce_rest()
+            if not self._native:  # native: nothing to reduce, the gradients stay in param.grad
+                self._reduce_rest()
             if self._module_handles:  # also chunks a gradient arrived late for (nothing to do when resident)
                 self.policy.after_op(self.manager.chunks, set())
             if self.prefetcher:
@@ -719,6 +781,8 @@ _RUNTIME = frozenset(
         "_reduced",
         "_next_reduce",
         "_inflight",
+        "_native",
+        "_handles",
         "warmup",
         "belady_bytes",
         "belady_disk_bytes",

@@ -97,6 +97,7 @@ class GeminiOptimizer:
         self.slices: dict[int, list[tuple[nn.Parameter, int, int, str]]] = {}  # chunk -> (fake, lo, hi, name)
         self.empty: list[tuple[nn.Parameter, str]] = []  # layer-wise: (empty fake, name) of parameters held elsewhere
         self._replace_params()
+        self.manager.repoint = self._repoint  # see [Note: aliased masters] in colossal.gemini.chunk_manager
         self.skipped_steps = 0
 
     def _replace_params(self) -> None:
@@ -104,6 +105,7 @@ class GeminiOptimizer:
         layerwise = hasattr(self.optim, "norm_reducer")  # see [Note: element-wise and layer-wise optimizers]
         if layerwise:
             self._install_norm_reducer()
+        self._whole: list[tuple[nn.Parameter, nn.Parameter]] = []  # (slice, parameter): used unsharded only
         for group in self.optim.param_groups:
             fakes = []
             for p in group["params"]:
@@ -123,6 +125,7 @@ class GeminiOptimizer:
                 else:
                     fake = nn.Parameter(chunk.master[lo:hi])
                 self.slices.setdefault(chunk.id, []).append((fake, lo, hi, info.name))
+                self._whole.append((fake, info.param))
                 fakes.append(fake)
             group["params"] = fakes
 
@@ -135,6 +138,11 @@ class GeminiOptimizer:
         if self.manager.sharded:  # whole chunks on every rank need no reduction
             self.optim.norm_reducer = group_norm_reducer(self.manager.group, all_reduce=_reduce("norms"))
 
+    def _repoint(self, chunk: Chunk) -> None:
+        """Point the optimizer's slice views of ``chunk`` at its current master."""
+        for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
+            fake.data = chunk.master[lo:hi]
+
     # -- training API -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with loss scaling."""
@@ -142,11 +150,17 @@ class GeminiOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""
+        if self.model.native_grads() is not None:  # see [Note: native gradients] in colossal.gemini.ddp
+            for p in self.manager.chunk_of:
+                p.grad = None
         for c in self.manager.chunks:
             c.has_grad = False
             c.got_grad.clear()
 
     def _grads(self) -> list[torch.Tensor]:
+        native = self.model.native_grads()
+        if native is not None:  # the gradients autograd left in param.grad ([Note: native gradients])
+            return [p.grad for p, _ in native if p.grad is not None]
         for c in self.manager.chunks:
             if not c.has_grad:  # no backward since the last step: stale contents mean zero
                 c.grad_shard.zero_()
@@ -165,7 +179,7 @@ class GeminiOptimizer:
                 self.scaler.unscale_(grads)
             # fp16's dynamic scale can overflow; fp32/bf16 with a constant scaler are checked only on request
             check = self.check_overflow or isinstance(self.scaler, DynamicLossScaler)
-            found_inf = check and has_inf_or_nan(grads, group=self.manager.group, all_reduce=_reduce("overflow"))
+            found_inf = check and self._overflow(grads)
             if found_inf:
                 self.skipped_steps += 1
             else:
@@ -177,6 +191,16 @@ class GeminiOptimizer:
             self.zero_grad()
             self.model.end_iteration(None if found_inf else self)
             return not found_inf
+
+    def _overflow(self, grads: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradients hold an inf or NaN. On one rank with gradients in ``param.grad``
+        (``[Note: native gradients]``) finite sums prove it first (one op per tensor; ``has_inf_or_nan``
+        adds grouping, a flag and a reduction that cost as much again on small models) and
+        ``has_inf_or_nan`` decides only when a sum is not finite."""
+        if self.model.native_grads() is not None and grads:
+            if bool(torch.stack([g.sum() for g in grads]).isfinite().all()):
+                return False
+        return has_inf_or_nan(grads, group=self.manager.group, all_reduce=_reduce("overflow"))
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm of the gradients the next ``step()`` applies (unscaled), over every rank's chunk
@@ -203,6 +227,9 @@ class GeminiOptimizer:
         """Names of the parameters no rank gave a gradient since the last step (collective when
         data-parallel; see [Note: parameters without a gradient])."""
         m = self.manager
+        native = self.model.native_grads()
+        if native is not None:  # one rank: param.grad says it
+            return {name for p, name in native if p.grad is None}
         infos = [(c, info) for c in m.chunks for info in c.tensors]
         got = [info.offset in c.got_grad for c, info in infos]
         if m.dp_size > 1:
@@ -212,6 +239,9 @@ class GeminiOptimizer:
         return {info.name for (_, info), g in zip(infos, got, strict=True) if not g}
 
     def _inner_step(self, without: set[str] = frozenset()) -> None:
+        if self.model.native_grads() is not None:  # see [Note: native gradients] in colossal.gemini.ddp
+            self._native_step()
+            return
         for chunk in self.manager.chunks:
             for fake, lo, hi, name in self.slices.get(chunk.id, ()):
                 fake.grad = None if name in without else chunk.grad_shard[lo:hi]
@@ -224,6 +254,19 @@ class GeminiOptimizer:
             for fake, *_ in self.slices.get(chunk.id, ()):
                 fake.grad = None
             self.manager.refresh_working(chunk)
+
+    def _native_step(self) -> None:
+        """Step on the gradients in ``param.grad``: whole parameters, one slice each (the chunks are not
+        sharded), so each slice's gradient is its parameter's, flattened (a view, no copy); a parameter
+        whose ``.grad`` is None gets none and is skipped by the wrapped optimizer. The masters are the
+        working chunks: nothing to refresh."""
+        pairs = self._whole
+        for fake, p in pairs:
+            g = p.grad
+            fake.grad = None if g is None else g.view(-1)
+        self.optim.step()
+        for fake, _ in pairs:
+            fake.grad = None
 
     # -- optimizer blocks (used by the placement at the end of warm-up) -----------------------------------
     def block_bytes(self, chunk: Chunk) -> int:
@@ -252,7 +295,7 @@ class GeminiOptimizer:
         src_tier, dst_tier = m.tier(chunk.o_tier), m.tier(dst)
         m.move_optim(chunk, dst)
         for fake, lo, hi, _ in self.slices.get(chunk.id, ()):
-            fake.data = chunk.master[lo:hi]
+            fake.data = chunk.master[lo:hi]  # (a master aliased with the payload was copied: it is its own now)
             state = self.optim.state.get(fake, {})
             for k, t in list(state.items()):
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
