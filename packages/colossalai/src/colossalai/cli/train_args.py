@@ -7,7 +7,16 @@ import argparse
 from colossalai.booster.registry import PLUGINS
 from colossalai.models import MODELS
 
-__all__ = ["add_train_arguments", "STEPS", "SEQ_LEN", "SAMPLE_TEMPERATURE", "SAMPLE_TOP_K", "seq_len_of"]
+__all__ = [
+    "add_train_arguments",
+    "STEPS",
+    "SEQ_LEN",
+    "VOCAB_SIZE",
+    "CORPUS_BYTES",
+    "SAMPLE_TEMPERATURE",
+    "SAMPLE_TOP_K",
+    "seq_len_of",
+]
 
 STEPS = 1200
 """Default optimizer steps: enough for the default GPT (mini, Gemini, batch 8 x 64 tokens, peak rate
@@ -18,6 +27,13 @@ SEQ_LEN = 64
 short windows learn faster per token than long ones: at the same tokens per step, 8 x 64 reached
 a loss of 2.19 after 400 steps where 4 x 128 was at 2.38."""
 
+
+VOCAB_SIZE = 1024
+"""Default vocabulary: a byte-level BPE of 1024 ids learned from the corpus (``[Note: why a learned
+subword vocabulary]`` in ``colossalai.data.tokenizer``); 256 trains on plain bytes."""
+
+CORPUS_BYTES = 2_000_000
+"""Default bytes of the embedded corpus: at ~3 bytes per BPE token the default run sees it about once."""
 
 SAMPLE_TEMPERATURE = 0.6
 """Default temperature of the sample at the end. After the default run (loss ~1.5-1.8) a byte model
@@ -58,8 +74,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--corpus-bytes",
         type=int,
-        default=600_000,
-        help="bytes of the embedded corpus to use (default 600000: the default run sees it about once)",
+        default=CORPUS_BYTES,
+        help=f"bytes of the embedded corpus to use (default {CORPUS_BYTES}: the default run sees it about once)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_SIZE,
+        help=f"token ids: a byte-level BPE learned from the corpus (default {VOCAB_SIZE}; 256: plain bytes)",
     )
     p.add_argument(
         "--activation-checkpointing",
