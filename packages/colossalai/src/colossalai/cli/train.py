@@ -396,5 +396,5 @@ def train(args: argparse.Namespace) -> dict:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         if sample:
             console.print("[bold]sample:[/bold]")
-            console.print(sample, markup=False, highlight=False)
+            console.print(sample, markup=False, highlight=False, soft_wrap=True)  # code: no line breaks added
     return {**rows, "first_loss": first, "last_loss": last, "headline": line}
