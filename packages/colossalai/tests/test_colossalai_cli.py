@@ -71,6 +71,23 @@ def test_resume_is_exact(first_run, tmp_path):
     assert all(got[s] == ref[s] for s in got), (got, ref)
 
 
+def test_checkpoint_keeps_the_tokenizer_and_resume_checks_it(first_run):
+    """The run state holds the BPE the model learned with (resume and samples decode with it, not
+    with one learned again); resuming under another ``--vocab-size`` fails, naming both."""
+    import torch
+
+    from colossalai.data import CorpusTokenizer, load_corpus
+
+    root, _ = first_run
+    ckpt = root / "ckpt" / "step-00000003"
+    saved = torch.load(ckpt / "run_state.pt", weights_only=False)["run"]["extra"]["tokenizer"]
+    assert CorpusTokenizer.from_json(saved) == CorpusTokenizer.train(load_corpus(100_000), 1024)
+    argv = [sys.executable, "-m", "colossalai.cli", *TRAIN, "--steps", "4", "--resume", str(ckpt)]
+    proc = subprocess.run([*argv, "--vocab-size", "512"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "--vocab-size 512 does not match the checkpoint's tokenizer (bpe, 1024 ids)" in proc.stdout + proc.stderr
+
+
 def test_resume_under_fsdp_on_two_processes(first_run):
     root, out = first_run
     ckpt = str(root / "ckpt" / "step-00000003")
@@ -161,7 +178,9 @@ def test_train_with_pipeline_parallel_on_two_processes(first_run, tmp_path):
 def test_gemini_summary_says_model_states_exceed_the_device_budget():
     # Default plugin (gemini) and default budget (0.65 x the model states) on a tiny config whose
     # activations fit it: the summary says how much larger the states are, and what moved per tier.
+    # Byte vocabulary: the tiny GPT's logits over 1024 BPE ids are too large for 0.65 x its states.
     tiny = ["train", "--preset", "tiny", "--seq-len", "16", "--batch-size", "2", "--corpus-bytes", "100000"]
+    tiny += ["--vocab-size", "256"]
     out = _cli(*tiny, "--steps", "3", "--warmup", "1", "--progress", "plain", "--sample-tokens", "8")
     m = re.search(r"model states ([0-9.]+ \w+) = ([0-9.]+) x the device budget \(([0-9.]+ \w+) on cpu", out)
     assert m is not None, out

@@ -40,6 +40,8 @@ BAD_TRAIN = [
     (["--plugin", "gemini", "--device-budget", "2XB"], "--device-budget must look like '2GiB'"),
     (["--plugin", "gemini", "--device-budget", "0"], "device_memory_budget must be a positive byte count"),
     (["--corpus-bytes", "100"], "--corpus-bytes 100 holds 1 windows of 64 tokens"),
+    (["--vocab-size", "100"], "--vocab-size must be >= 256 (256: plain bytes), got 100"),
+    ([*HYBRID, "--nproc", "2", "--vocab-size", "1001"], "vocab_size 1001 must be divisible by --tp-size (= 2)"),
     (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint: no such checkpoint folder"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),

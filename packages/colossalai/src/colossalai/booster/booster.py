@@ -186,6 +186,7 @@ class Booster:
             return self.plugin.execute_pipeline(model.module, x, y, criterion)
         out = model(**x) if isinstance(x, dict) else model(x)  # a dict: a Hugging Face model's keyword inputs
         loss = criterion(getattr(out, "logits", out), y)  # a transformers ModelOutput: its logits
+        del out  # the logits (B, T, V) need not live through backward: the criterion saved what it needs
         self.backward(loss, optimizer)
         return loss.detach()
 

@@ -10,6 +10,9 @@ accounting (the device tier is then CPU memory, and every move is a real copy, s
 CPU-only runs]`` in ``colossal.gemini.tiers``). The budget also holds activations (non-model data),
 which for a small GPT are of the same order as its states; with activation checkpointing (the
 Gemini default) the default run fits 0.65 x its states, so the placement moves chunks every step.
+Its largest activations are the logits over the 1024-id vocabulary and the criterion's softmax; it
+fits because ``Booster.execute_pipeline`` releases the logits before backward (with them held, the
+first step needed 10.5 MB against a 9.7 MB budget).
 A larger batch needs a larger budget: Gemini then fails at warm-up with "need X bytes ... budget Y".
 """
 

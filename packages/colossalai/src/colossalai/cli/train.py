@@ -19,7 +19,7 @@ from colossalai.cli import headline
 from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
 from colossalai.cli.train_args import SAMPLE_TEMPERATURE, SAMPLE_TOP_K, parse_bytes, seq_len_of
-from colossalai.data import corpus_dataset, decode, encode
+from colossalai.data import CorpusTokenizer, corpus_dataset, load_corpus
 from colossalai.models import model_family
 
 __all__ = ["train", "criterion"]
@@ -39,7 +39,8 @@ def _device_budget(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", args.nproc))  # Gemini shards the states over every rank
     family = model_family(args.model)
     preset = family.preset(args.preset)
-    config = family.config(preset, block_size=seq_len_of(args, family.config(preset).block_size))
+    seq_len = seq_len_of(args, family.config(preset).block_size)
+    config = family.config(preset, block_size=seq_len, vocab_size=args.vocab_size)
     return headline.default_device_budget(config.num_parameters(), args.precision, world)
 
 
@@ -91,9 +92,39 @@ def _schedule(optim: torch.optim.Optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
+def _tokenizer(args: argparse.Namespace) -> CorpusTokenizer:
+    """The resumed checkpoint's tokenizer, or one learned from the corpus (deterministic, so every
+    rank learns the same; ``[Note: why a learned subword vocabulary]`` in ``colossalai.data.tokenizer``)."""
+    if not args.resume:
+        return CorpusTokenizer.train(load_corpus(args.corpus_bytes), args.vocab_size)
+    from colossalai.checkpoint import load_run_file, resolve_checkpoint
+
+    saved = load_run_file(resolve_checkpoint(args.resume))["run"].get("extra", {}).get("tokenizer")
+    tokenizer = CorpusTokenizer.from_json(saved) if saved else CorpusTokenizer()  # older checkpoints: bytes
+    if tokenizer.vocab_size != args.vocab_size:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} does not match the checkpoint's tokenizer "
+            f"({tokenizer.kind}, {tokenizer.vocab_size} ids): pass --vocab-size {tokenizer.vocab_size}"
+        )
+    return tokenizer
+
+
+def _dataset(args: argparse.Namespace, seq_len: int, tokenizer: CorpusTokenizer):
+    """The corpus windows; at least one global batch of them (or a ValueError naming the options)."""
+    data = corpus_dataset(seq_len, args.corpus_bytes, tokenizer)
+    if len(data) < args.batch_size:
+        raise ValueError(
+            f"--corpus-bytes {args.corpus_bytes} is {data.tokens.numel()} tokens ({tokenizer.kind}, --vocab-size "
+            f"{args.vocab_size}): {len(data)} windows of {seq_len}, fewer than --batch-size {args.batch_size}"
+        )
+    return data
+
+
 def _setup(args: argparse.Namespace):
-    """Booster, boosted model/optimizer/loader/scheduler, and the run state (resumed or fresh)."""
+    """Booster, boosted model/optimizer/loader/scheduler, the tokenizer and the run state (resumed
+    or fresh)."""
     torch.manual_seed(args.seed)
+    tokenizer = _tokenizer(args)
     booster = Booster(plugin=_plugin(args), mixed_precision=args.precision)
     dp = booster.plugin.dp_size()
     if args.batch_size % dp:
@@ -102,18 +133,20 @@ def _setup(args: argparse.Namespace):
     preset = family.preset(args.preset)
     seq_len = seq_len_of(args, family.config(preset).block_size)
     model = family.build(
-        preset, seed=args.seed, block_size=seq_len, activation_checkpointing=_activation_checkpointing(args)
+        preset,
+        seed=args.seed,
+        block_size=seq_len,
+        vocab_size=tokenizer.vocab_size,
+        activation_checkpointing=_activation_checkpointing(args),
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _schedule(optim, args.warmup, args.steps)
-    loader = booster.prepare_dataloader(
-        corpus_dataset(seq_len, args.corpus_bytes), args.batch_size // dp, seed=args.seed
-    )
+    loader = booster.prepare_dataloader(_dataset(args, seq_len, tokenizer), args.batch_size // dp, seed=args.seed)
     model, optim, _, loader, sched = booster.boost(model, optim, criterion, loader, sched)
-    state = RunState(extra={"args": vars(args)})
+    state = RunState(extra={"args": vars(args), "tokenizer": tokenizer.to_json()})  # resume and samples read it
     if args.resume:
         state = booster.load_run(args.resume, model, optim, sched, dataloader=loader)
-    return booster, model, optim, loader, sched, state, seq_len
+    return booster, model, optim, loader, sched, state, seq_len, tokenizer
 
 
 def _batches(loader, state: RunState):
@@ -250,6 +283,7 @@ def _padded_forward(model, multiple: int, block_size: int):
 
 def _sample(
     model,
+    tokenizer: CorpusTokenizer,
     n_tokens: int,
     seed: int,
     rows: int = 1,
@@ -264,18 +298,31 @@ def _sample(
     ``rows`` copies of the prompt are sampled and the first is returned: 2D/2.5D/3D tensor
     parallelism splits the batch over the grid, so it needs a batch divisible by it; sequence
     parallelism needs windows whose length is a multiple of ``seq_multiple``. ``temperature`` 0
-    is greedy decoding, ``top_k`` 0 samples from every byte.
+    is greedy decoding, ``top_k`` 0 samples from every token.
     """
     gpt = model.unwrap()
     gpt.eval()
-    prompt = encode("def ").view(1, -1).repeat(rows, 1).to(model.device)  # (rows, T0)
+    prompt = tokenizer.encode("def").view(1, -1).repeat(rows, 1).to(model.device)  # (rows, T0)
     gen = torch.Generator().manual_seed(seed)
     forward = _padded_forward(model, seq_multiple, gpt.config.block_size) if seq_multiple > 1 else model
     with torch.no_grad():
-        top_k = top_k or None  # 0: every byte
+        top_k = top_k or None  # 0: every token
         out = gpt.generate(prompt, n_tokens, temperature=temperature, top_k=top_k, generator=gen, forward=forward)
     gpt.train()
-    return decode(out[0].cpu())
+    return tokenizer.decode(out[0].cpu())
+
+
+def _bytes_per_token(args: argparse.Namespace, loader) -> float:
+    """Corpus bytes per training token (1 for bytes, ~3 for the default BPE)."""
+    return load_corpus(args.corpus_bytes).numel() / max(loader.dataset.tokens.numel(), 1)
+
+
+def _loss_row(first: float | None, last: float | None, tokenizer: CorpusTokenizer, bytes_per_token: float) -> str:
+    """'5.5 -> 3.6 (1.19 per byte)': per token, and per byte of text for a BPE (comparable across vocabularies)."""
+    if first is None:
+        return "n/a"
+    row = f"{first:.4f} -> {last:.4f}"
+    return row if tokenizer.kind == "bytes" else f"{row} ({last / bytes_per_token:.2f} per byte)"
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -301,26 +348,37 @@ def train(args: argparse.Namespace) -> dict:
 
     info = launch()
     t0 = time.perf_counter()
-    booster, model, optim, loader, sched, state, seq_len = _setup(args)
+    booster, model, optim, loader, sched, state, seq_len, tokenizer = _setup(args)
     start = state.step
     meters, first, last = _loop(args, booster, model, optim, loader, sched, state, seq_len, info.rank)
     if args.save_dir and (not args.save_every or state.step % args.save_every):
         booster.save_run(args.save_dir, model, optim, sched, state=state)
     if args.export:
         booster.export_safetensors(model, args.export)
+        if info.rank == 0:
+            tokenizer.save_hf(args.export)
     tp = getattr(booster.plugin, "tp_size", 1)  # a batch divisible by every TP grid's batch split
     sp = getattr(booster.plugin, "sp_size", 1)
     pp = getattr(booster.plugin, "pp_size", 1)  # no single forward to sample with under pp
     sample = ""
     if args.sample_tokens > 0 and pp == 1:
         sample = _sample(
-            model, args.sample_tokens, args.seed, tp, sp, temperature=args.sample_temperature, top_k=args.sample_top_k
+            model,
+            tokenizer,
+            args.sample_tokens,
+            args.seed,
+            tp,
+            sp,
+            temperature=args.sample_temperature,
+            top_k=args.sample_top_k,
         )
+    bytes_per_token = _bytes_per_token(args, loader)
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
         "model": f"{_model_name(args)}: {model.unwrap().config.num_parameters():,} parameters",
+        "tokens": f"{tokenizer.kind}, {tokenizer.vocab_size} ids, {bytes_per_token:.2f} bytes/token",
         "steps": f"{start} -> {state.step}",
-        "loss": f"{first:.4f} -> {last:.4f}" if first is not None else "n/a",
+        "loss": _loss_row(first, last, tokenizer, bytes_per_token),
         "tokens/s": f"{meters.tokens_per_s():,.0f}",
         "memory": ", ".join(f"{t}={format_bytes(b)}" for t, b in meters.memory().items()),
         "communicated": format_bytes(meters.communicated()),
@@ -338,5 +396,5 @@ def train(args: argparse.Namespace) -> dict:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         if sample:
             console.print("[bold]sample:[/bold]")
-            console.print(sample, markup=False, highlight=False)
+            console.print(sample, markup=False, highlight=False, soft_wrap=True)  # code: no line breaks added
     return {**rows, "first_loss": first, "last_loss": last, "headline": line}

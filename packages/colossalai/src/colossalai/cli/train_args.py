@@ -7,27 +7,45 @@ import argparse
 from colossalai.booster.registry import PLUGINS
 from colossalai.models import MODELS
 
-__all__ = ["add_train_arguments", "STEPS", "SEQ_LEN", "SAMPLE_TEMPERATURE", "SAMPLE_TOP_K", "seq_len_of"]
+__all__ = [
+    "add_train_arguments",
+    "STEPS",
+    "SEQ_LEN",
+    "VOCAB_SIZE",
+    "CORPUS_BYTES",
+    "SAMPLE_TEMPERATURE",
+    "SAMPLE_TOP_K",
+    "seq_len_of",
+]
 
 STEPS = 1200
-"""Default optimizer steps: enough for the default GPT (mini, Gemini, batch 8 x 64 tokens, peak rate
-3e-3) to write text that looks like Python, in a few CPU minutes."""
+"""Default optimizer steps: enough for the default GPT (mini, Gemini, batch 8 x 64 tokens of the
+1024-id BPE, peak rate 3e-3) to write text that looks like Python (real keywords, mostly real names:
+``elif not isinstance(other, other._exp) and self._exp is None:``), in under three CPU minutes."""
 
 SEQ_LEN = 64
-"""Default tokens per sequence (or the preset's block size when smaller). For the CPU-sized presets
-short windows learn faster per token than long ones: at the same tokens per step, 8 x 64 reached
-a loss of 2.19 after 400 steps where 4 x 128 was at 2.38."""
+"""Default tokens per sequence (or the preset's block size when smaller): about 180 bytes of text with
+the default BPE. For the CPU-sized presets short windows learn faster per token than long ones (byte
+vocabulary, same tokens per step: 8 x 64 reached a loss of 2.19 after 400 steps where 4 x 128 was at
+2.38)."""
 
+
+VOCAB_SIZE = 1024
+"""Default vocabulary: a byte-level BPE of 1024 ids learned from the corpus (``[Note: why a learned
+subword vocabulary]`` in ``colossalai.data.tokenizer``); 256 trains on plain bytes."""
+
+CORPUS_BYTES = 2_000_000
+"""Default bytes of the embedded corpus: at ~3 bytes per BPE token the default run sees it about once."""
 
 SAMPLE_TEMPERATURE = 0.6
-"""Default temperature of the sample at the end. After the default run (loss ~1.5-1.8) a byte model
-at 0.8 / top-k 20 still breaks most names; at 0.6 / top-k 10 its lines read as Python
-(``self.__infineg_name_conded(self, rames)``). A lower temperature has a cost: at an indent a space
-is the likeliest byte, so the sample may end in a long run of spaces (64-byte context); at 1.0 /
-top-k 3 it drifted into docstring prose instead."""
+"""Default temperature of the sample at the end. Chosen with the byte vocabulary (loss ~1.5-1.8 per
+byte): at 0.8 / top-k 20 a byte model broke most names, at 0.6 / top-k 10 its lines read as Python;
+a lower temperature risks a long run of the likeliest token (spaces at an indent), and 1.0 / top-k 3
+drifted into docstring prose. With the default BPE, 0.6 / top-k 10 gives indented Python with real
+keywords and mostly real names."""
 
 SAMPLE_TOP_K = 10
-"""Default top-k of the sample at the end: bytes outside the model's ten likeliest are never drawn."""
+"""Default top-k of the sample at the end: tokens outside the model's ten likeliest are never drawn."""
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,8 +76,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--corpus-bytes",
         type=int,
-        default=600_000,
-        help="bytes of the embedded corpus to use (default 600000: the default run sees it about once)",
+        default=CORPUS_BYTES,
+        help=f"bytes of the embedded corpus to use (default {CORPUS_BYTES}: the default run sees it about once)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=VOCAB_SIZE,
+        help=f"token ids: a byte-level BPE learned from the corpus (default {VOCAB_SIZE}; 256: plain bytes)",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -101,7 +125,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", default=None, metavar="DIR", help="TensorBoard scalars into DIR")
     p.add_argument("--progress", default="auto", choices=["auto", "rich", "plain"], help="progress display")
     p.add_argument("--log-every", type=int, default=10, help="plain progress: print every N steps")
-    p.add_argument("--sample-tokens", type=int, default=300, help="length of the generated sample at the end")
+    p.add_argument("--sample-tokens", type=int, default=300, help="tokens of the generated sample at the end")
     p.add_argument(
         "--sample-temperature",
         type=float,
@@ -112,7 +136,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--sample-top-k",
         type=int,
         default=SAMPLE_TOP_K,
-        help=f"sample among the k likeliest bytes only (default {SAMPLE_TOP_K}; 0: all)",
+        help=f"sample among the k likeliest tokens only (default {SAMPLE_TOP_K}; 0: all)",
     )
 
 

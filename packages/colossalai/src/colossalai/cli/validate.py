@@ -72,6 +72,8 @@ def _check_ranges(args: argparse.Namespace) -> None:
     for dest, low in at_least.items():
         if getattr(args, dest) < low:
             raise UsageError(f"{_flag(dest)} must be >= {low}, got {getattr(args, dest)}")
+    if args.vocab_size < 256:
+        raise UsageError(f"--vocab-size must be >= 256 (256: plain bytes), got {args.vocab_size}")
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -153,7 +155,9 @@ def _data_parallel(args: argparse.Namespace, plugin, world: int) -> int:
 
 
 def _check_corpus(args: argparse.Namespace, seq_len: int) -> None:
-    """At least one global batch of windows in the corpus (otherwise every epoch is empty)."""
+    """At least one global batch of windows in the corpus (otherwise every epoch is empty), counting
+    one token per byte; a BPE packs ~3 bytes into a token, which ``colossalai.cli.train`` checks once
+    the corpus is tokenised."""
     windows = (args.corpus_bytes - 1) // seq_len
     if windows < args.batch_size:
         need = args.batch_size * seq_len + 1
@@ -239,7 +243,7 @@ def _check_model(args: argparse.Namespace, plugin, dp: int) -> None:
             f"--model palm splits with --tp-mode 1d only (multi-query attention), got --tp-mode {plugin.tp_mode}"
         )
     preset = family.preset(args.preset)
-    config = family.config(preset)
+    config = family.config(preset, vocab_size=args.vocab_size)
     seq_len = seq_len_of(args, config.block_size)
     _check_corpus(args, seq_len)
     per_rank = args.batch_size // dp
