@@ -38,12 +38,12 @@ def test_float64_outputs_and_gradients_equal_openfold():
     env = _openfold_env()
     code = (
         f"import sys, json; sys.path.insert(0, {str(BENCH.parent)!r}); import bench_openfold as b; "
-        "print(json.dumps([b.check_float64(n_seq=4, n_res=16, seed=s, float32=False) for s in (1, 2, 3)]))"
+        "print(json.dumps([b.check_float64(n_seq=4, n_res=16, seed=s, float32=False) for s in (1, 2)]))"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    for seed, row in zip((1, 2, 3), rows):
+    for seed, row in zip((1, 2), rows):
         assert set(row) == {
             "float64 outputs, fastfold vs OpenFold",
             "float64 gradients, fastfold vs OpenFold (checkpointed)",
