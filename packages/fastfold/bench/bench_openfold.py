@@ -168,12 +168,29 @@ def _worker_infer(w):
         del ff
     inputs = _inputs(w["n_seq"], w["n_res"])
     max_memory = w.get("max_memory_mib") and w["max_memory_mib"] * MiB
+    _log_blocks(model, f"{w['impl']} n_res {w['n_res']}")
 
     def fn():
         with torch.no_grad():
             return _forward(w["impl"], model, *inputs, w["chunk"], w["inplace"], max_memory)
 
     return _measure(fn, w["warmup"], w["repeats"])
+
+
+def _log_blocks(model, label):
+    """Append each block's completion time to ``progress.log`` under ``COLOSSAL_BENCH_OUT``: where a
+    long run stops when it is cut off."""
+    log = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results")) / "progress.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    def hook(i):
+        t, cpu = time.perf_counter() - start, time.process_time()
+        with log.open("a") as f:
+            f.write(f"{label}: block {i} done at {t:.1f} s, CPU {cpu:.1f} s\n")
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda mod, a, o, i=i: hook(i))
 
 
 def _train_loss(m, z, s):
