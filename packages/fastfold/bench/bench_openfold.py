@@ -3,7 +3,8 @@ the OpenFold name mapping of :mod:`fastfold.weights`) on the same inputs, every 
 fresh process (``--rounds`` alternating fastfold/OpenFold processes per configuration, the fastest
 kept, with the load average before each), printing fastfold/OpenFold ratios of wall time, process
 CPU time (robust on a shared machine), peak RSS and activation memory, then training steps
-(checkpointed; fastfold DAP 1 and 2 against OpenFold's), writing ``fastfold_vs_openfold.json`` under
+(checkpointed; fastfold DAP 1 and 2 against OpenFold's; time and memory from separate processes,
+see [Note: timing and memory in separate processes]), writing ``fastfold_vs_openfold.json`` under
 ``COLOSSAL_BENCH_OUT``.
 
 OpenFold (github.com/aqlaboratory/openfold) is not a registry package: point ``OPENFOLD_PATH`` at a
@@ -14,6 +15,7 @@ OpenFold needs ``numpy scipy ml_collections einops dm-tree``; its CUDA extension
     OPENFOLD_PATH=/path/to/openfold python packages/fastfold/bench/bench_openfold.py            # all
     OPENFOLD_PATH=... python packages/fastfold/bench/bench_openfold.py --n-res 256 --no-train
     OPENFOLD_PATH=... python packages/fastfold/bench/bench_openfold.py --check-only             # equality
+    OPENFOLD_PATH=... python packages/fastfold/bench/bench_openfold.py --check-only --check-float64 --check-seeds 1 2 3
 
 Memory: see fastfold.inference [Note: how memory is measured]: ``peak`` is the RSS high-water mark
 during the timed call (after a reset), ``act`` = peak - RSS just before it. Both implementations
@@ -55,6 +57,12 @@ def _args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the small-size output/gradient equality check")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--check-seeds", type=int, nargs="+", default=[1], help="input seeds of the equality check")
+    p.add_argument(
+        "--check-float64",
+        action="store_true",
+        help="instead of the float32 equality check: both sides in float64 (outputs, gradients) and, per seed, "
+        "each side's float32 gradients against its float64 ones with the ReLU sign flips counted",
+    )
     p.add_argument("--max-memory-mib", type=int, default=None, help="also run fastfold with max_memory=this")
     p.add_argument(
         "--sides",
@@ -160,12 +168,29 @@ def _worker_infer(w):
         del ff
     inputs = _inputs(w["n_seq"], w["n_res"])
     max_memory = w.get("max_memory_mib") and w["max_memory_mib"] * MiB
+    _log_blocks(model, f"{w['impl']} n_res {w['n_res']}")
 
     def fn():
         with torch.no_grad():
             return _forward(w["impl"], model, *inputs, w["chunk"], w["inplace"], max_memory)
 
     return _measure(fn, w["warmup"], w["repeats"])
+
+
+def _log_blocks(model, label):
+    """Append each block's completion time to ``progress.log`` under ``COLOSSAL_BENCH_OUT``: where a
+    long run stops when it is cut off."""
+    log = pathlib.Path(os.environ.get("COLOSSAL_BENCH_OUT", "bench-results")) / "progress.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    def hook(i):
+        t, cpu = time.perf_counter() - start, time.process_time()
+        with log.open("a") as f:
+            f.write(f"{label}: block {i} done at {t:.1f} s, CPU {cpu:.1f} s\n")
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda mod, a, o, i=i: hook(i))
 
 
 def _train_loss(m, z, s):
@@ -205,6 +230,7 @@ def _worker_train_dap(w):
     results = run_training(spec, w["repeats"])
     return {
         "seconds": max(r.seconds for r in results),
+        "cpu_seconds": sum(r.cpu_seconds for r in results),  # both ranks: OpenFold's runs 2 threads
         "peak_mib": max(r.peak_rss_bytes for r in results) / MiB,
         "act_mib": max(r.activation_bytes for r in results) / MiB,
     }
@@ -266,6 +292,73 @@ def check_equal(blocks=2, n_seq=8, n_res=40, chunk=4, seed=1):
     return rows
 
 
+def check_float64(blocks=2, n_seq=8, n_res=40, seed=1, float32=True):
+    """fastfold against OpenFold with the same weights and inputs in float64 (checkpointed training
+    forward, dropout off, masked keys): max relative difference of the outputs and of the parameter
+    gradients, which should be float64 round-off. With ``float32``, also each implementation's
+    float32 gradients against its own float64 ones and the number of ReLU pre-activations (the
+    transitions' ``linear_1`` outputs, plain forward) whose sign differs between float32 and
+    float64: a kink crossed by float32 rounding."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    ff32 = _fastfold(blocks)
+    of32 = _openfold(ff32)
+    m, z, msa_mask, pair_mask = _inputs(n_seq, n_res, seed=seed)
+    msa_mask[1:, -3:] = 0
+    args32 = (m, z, msa_mask, pair_mask)
+    args64 = [t.double() for t in args32]
+    ff64, of64 = copy.deepcopy(ff32).double().train(), copy.deepcopy(of32).double().train()
+    ff32.train(), of32.train()
+    rows = {}
+    with torch.no_grad():
+        out_ff = _forward("fastfold", ff64.eval(), *args64, None, False)
+        out_of = _forward("openfold", of64.eval(), *args64, None, False)
+        rows["float64 outputs, fastfold vs OpenFold"] = max(_rel(a, b) for a, b in zip(out_ff, out_of))
+    ff64.train(), of64.train()
+    g_ff = _gradients("fastfold", ff64, *args64, True)
+    g_of = _gradients("openfold", of64, *args64, True)
+    rows["float64 gradients, fastfold vs OpenFold (checkpointed)"] = _grad_rel(g_ff, g_of)
+    if not float32:
+        return rows
+    flips = {}
+    for name, impl, m32, m64 in (("fastfold", "fastfold", ff32, ff64), ("OpenFold", "openfold", of32, of64)):
+        pre32, g32 = _preactivations(impl, m32, args32)
+        pre64, g64 = _preactivations(impl, m64, args64)
+        flips[name] = g32
+        rows[f"{name} float32 vs its float64 gradients"] = _grad_rel(g32, {n: g.float() for n, g in g64.items()})
+        rows[f"{name} ReLU sign flips float32 vs float64"] = sum(
+            int(((a > 0) != (b > 0)).sum()) for a, b in zip(pre32, pre64)
+        )
+        rows[f"{name} ReLU pre-activations"] = sum(a.numel() for a in pre32)
+        err = torch.cat([(a.double() - b).flatten() for a, b in zip(pre32, pre64)])
+        rows[f"{name} ReLU pre-activation error float32 vs float64, rms"] = float(err.pow(2).mean().sqrt())
+        rows[f"{name} ReLU pre-activation error float32 vs float64, max"] = float(err.abs().max())
+        # flips expected from an unbiased Gaussian rounding error of that rms: sum of P(|err| crosses x64)
+        x64 = torch.cat([b.flatten() for b in pre64]).abs()
+        rms = float(err.pow(2).mean().sqrt())
+        rows[f"{name} ReLU sign flips expected from that rms"] = float(torch.special.ndtr(-x64 / rms).sum())
+    rows["float32 gradients, fastfold vs OpenFold (plain)"] = _grad_rel(flips["fastfold"], flips["OpenFold"])
+    return rows
+
+
+def _preactivations(impl, model, args):
+    """The transitions' ``linear_1`` outputs (ReLU inputs) of one plain training forward, in call
+    order, and the parameter gradients of that run."""
+    hooks, pre = [], []
+    for name, mod in model.named_modules():
+        if name.endswith("transition.linear_1"):
+            hooks.append(mod.register_forward_hook(lambda _m, _i, out: pre.append(out.detach().clone())))
+    try:
+        grads = _gradients(impl, model, *args, False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return pre, grads
+
+
 def _gradients(impl, model, m, z, msa_mask, pair_mask, checkpoint):
     """Parameter gradients (by OpenFold name) of one training forward/backward, dropout off."""
     m, z = m.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
@@ -322,15 +415,22 @@ def _merge(runs):
     return out
 
 
-def _pair(w, env, rounds=1, sides=("fastfold", "openfold")):
-    """fastfold and OpenFold in alternating fresh processes, ``rounds`` times each: a load spike on
-    a shared machine then hits one round, not one side. A side left out of ``sides`` gets ``None``."""
-    runs = {impl: [] for impl in ("fastfold", "openfold") if impl in sides}
+def _rounds(workers, env, rounds):
+    """Each of ``workers`` (name -> worker dict) in turn in a fresh process, ``rounds`` times: a load
+    spike on a shared machine then hits one round, not one side. Merged results by name."""
+    runs = {name: [] for name in workers}
     for _ in range(rounds):
-        for impl in runs:
+        for name, w in workers.items():
             load = os.getloadavg()[0]
-            runs[impl].append({**_spawn({**w, "impl": impl}, env), "load": round(load, 1)})
-    return tuple(_merge(runs[impl]) if impl in runs else None for impl in ("fastfold", "openfold"))
+            runs[name].append({**_spawn(w, env), "load": round(load, 1)})
+    return {name: _merge(r) for name, r in runs.items()}
+
+
+def _pair(w, env, rounds=1, sides=("fastfold", "openfold")):
+    """fastfold and OpenFold in alternating fresh processes, ``rounds`` times each. A side left out
+    of ``sides`` gets ``None``."""
+    res = _rounds({impl: {**w, "impl": impl} for impl in ("fastfold", "openfold") if impl in sides}, env, rounds)
+    return tuple(res.get(impl) for impl in ("fastfold", "openfold"))
 
 
 def _loads(res):
@@ -374,20 +474,23 @@ def main(argv=None):
     report = {"args": vars(a), "load_before": os.getloadavg(), "rows": []}
     print(f"load average before: {os.getloadavg()[0]:.2f}; {a.threads} threads; fresh process per cell")
     if not a.no_check:
-        code = (
-            "import sys, json; sys.path.insert(0, %r); import bench_openfold as b; "
-            "print(json.dumps(b.check_equal(seed=%d)))"
-        )
+        fn = "check_float64" if a.check_float64 else "check_equal"
+        code = "import sys, json; sys.path.insert(0, %r); import bench_openfold as b; print(json.dumps(b.%s(seed=%d)))"
         for seed in a.check_seeds:
-            cmd = [sys.executable, "-c", code % (str(HERE.parent), seed)]
+            cmd = [sys.executable, "-c", code % (str(HERE.parent), fn, seed)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr[-4000:])
             check = json.loads(proc.stdout.strip().splitlines()[-1])
             report.setdefault("equality", {})[seed] = check
-            print(f"max relative difference fastfold vs OpenFold (n_res 40, masked keys, seed {seed}):")
+            print(f"max relative difference fastfold vs OpenFold (n_res 40, masked keys, seed {seed}):", flush=True)
             for k, v in check.items():
-                print(f"  {k}: {v:.3g}")
+                print(f"  {k}: {v:.3g}", flush=True)
+        if a.check_float64 and "fastfold ReLU sign flips float32 vs float64" in check:
+            eq = report["equality"]
+            for name in ("fastfold", "OpenFold"):
+                hit = [s for s in a.check_seeds if eq[s][f"{name} ReLU sign flips float32 vs float64"]]
+                print(f"{name}: a ReLU sign flip float32 vs float64 at {len(hit)} of {len(eq)} seeds {hit}")
     if a.check_only:
         return
     common = dict(n_seq=a.n_seq, blocks=a.blocks, threads=a.threads, warmup=a.warmup, repeats=a.repeats)
@@ -416,10 +519,24 @@ def main(argv=None):
     if not a.no_train:
         tcommon = dict(common, mode="train", repeats=a.train_steps)
         for n_res in a.train_n_res:
-            ff, of = _pair(dict(tcommon, n_res=n_res), env, a.rounds)
+            w = dict(tcommon, n_res=n_res)
+            # DAP 1, OpenFold and DAP 2 alternate round by round
+            workers = {
+                "fastfold": dict(w, impl="fastfold"),
+                "openfold": dict(w, impl="openfold"),
+                "dap2": dict(w, mode="train_dap", impl="fastfold"),
+            }
+            # [Note: timing and memory in separate processes] the 128 KiB mmap threshold that makes RSS
+            # track live tensors also makes every large buffer a fresh mmap (page faults): it nearly
+            # doubled a training step at n_res 64 on both sides. Time is taken at glibc's own ceiling
+            # of the dynamic threshold (32 MiB, as without the variable), memory in one more process each.
+            res = _rounds(workers, dict(env, MALLOC_MMAP_THRESHOLD_=str(32 * MiB)), a.rounds)
+            mem = _rounds(workers, env, 1)
+            for k in res:
+                res[k].update(peak_mib=mem[k]["peak_mib"], act_mib=mem[k]["act_mib"], load_mem=mem[k]["load"])
+            ff, of, dap = res["fastfold"], res["openfold"], res["dap2"]
             _print_row(f"training step n_res {n_res}, checkpointed, DAP 1", ff, of)
-            dap = _spawn(dict(tcommon, mode="train_dap", n_res=n_res, impl="fastfold"), env)
-            _print_row(f"training step n_res {n_res}, DAP 2 (1 thread/rank) vs OpenFold", dap, of)
+            _print_row(f"training step n_res {n_res}, DAP 2 (1 thread/rank, CPU of both ranks) vs OpenFold", dap, of)
             report["rows"] += [{"config": f"train {n_res}", "fastfold": ff, "openfold": of, "dap2": dap}]
     report["load_after"] = os.getloadavg()
     print(f"load average after: {os.getloadavg()[0]:.2f}")

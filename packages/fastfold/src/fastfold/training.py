@@ -54,10 +54,11 @@ def _rank_train(spec, steps: int):
     loss_fn = lambda m, z, s: m.pow(2).mean() + z.pow(2).mean() + s.pow(2).mean()
     train_step(model, feats, opt, loss_fn, dap=dap)  # warm-up
     reset_peak_memory()
-    base, start = current_rss_bytes(), time.perf_counter()
+    base, start, cpu_start = current_rss_bytes(), time.perf_counter(), time.process_time()
     for _ in range(steps):
         train_step(model, feats, opt, loss_fn, dap=dap)
     seconds, peak = (time.perf_counter() - start) / steps, peak_rss_bytes()
+    cpu = (time.process_time() - cpu_start) / steps
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return TrunkResult(
         rank=rank,
@@ -65,6 +66,7 @@ def _rank_train(spec, steps: int):
         peak_rss_bytes=peak,
         activation_bytes=max(peak - base, 0),
         peak_device_bytes=peak_device_bytes(),
+        cpu_seconds=cpu,
     )
 
 
