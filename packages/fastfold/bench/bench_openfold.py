@@ -323,24 +323,24 @@ def check_float64(blocks=2, n_seq=8, n_res=40, seed=1, float32=True):
     rows["float64 gradients, fastfold vs OpenFold (checkpointed)"] = _grad_rel(g_ff, g_of)
     if not float32:
         return rows
-    flips = {}
+    g32s = {}
     for name, impl, m32, m64 in (("fastfold", "fastfold", ff32, ff64), ("OpenFold", "openfold", of32, of64)):
         pre32, g32 = _preactivations(impl, m32, args32)
         pre64, g64 = _preactivations(impl, m64, args64)
-        flips[name] = g32
+        g32s[name] = g32
         rows[f"{name} float32 vs its float64 gradients"] = _grad_rel(g32, {n: g.float() for n, g in g64.items()})
         rows[f"{name} ReLU sign flips float32 vs float64"] = sum(
             int(((a > 0) != (b > 0)).sum()) for a, b in zip(pre32, pre64)
         )
         rows[f"{name} ReLU pre-activations"] = sum(a.numel() for a in pre32)
         err = torch.cat([(a.double() - b).flatten() for a, b in zip(pre32, pre64)])
-        rows[f"{name} ReLU pre-activation error float32 vs float64, rms"] = float(err.pow(2).mean().sqrt())
+        rms = float(err.pow(2).mean().sqrt())
+        rows[f"{name} ReLU pre-activation error float32 vs float64, rms"] = rms
         rows[f"{name} ReLU pre-activation error float32 vs float64, max"] = float(err.abs().max())
         # flips expected from an unbiased Gaussian rounding error of that rms: sum of P(|err| crosses x64)
         x64 = torch.cat([b.flatten() for b in pre64]).abs()
-        rms = float(err.pow(2).mean().sqrt())
         rows[f"{name} ReLU sign flips expected from that rms"] = float(torch.special.ndtr(-x64 / rms).sum())
-    rows["float32 gradients, fastfold vs OpenFold (plain)"] = _grad_rel(flips["fastfold"], flips["OpenFold"])
+    rows["float32 gradients, fastfold vs OpenFold (plain)"] = _grad_rel(g32s["fastfold"], g32s["OpenFold"])
     return rows
 
 

@@ -19,7 +19,7 @@ from colossalai.cli import headline
 from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
 from colossalai.cli.train_args import SAMPLE_TEMPERATURE, SAMPLE_TOP_K, parse_bytes, seq_len_of
-from colossalai.data import CorpusTokenizer, corpus_dataset, load_corpus
+from colossalai.data import CorpusTokenizer, TokenWindows, load_corpus
 from colossalai.models import model_family
 
 __all__ = ["train", "criterion"]
@@ -92,11 +92,11 @@ def _schedule(optim: torch.optim.Optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def _tokenizer(args: argparse.Namespace) -> CorpusTokenizer:
-    """The resumed checkpoint's tokenizer, or one learned from the corpus (deterministic, so every
+def _tokenizer(args: argparse.Namespace, corpus: torch.Tensor) -> CorpusTokenizer:
+    """The resumed checkpoint's tokenizer, or one learned from ``corpus`` (deterministic, so every
     rank learns the same; ``[Note: why a learned subword vocabulary]`` in ``colossalai.data.tokenizer``)."""
     if not args.resume:
-        return CorpusTokenizer.train(load_corpus(args.corpus_bytes), args.vocab_size)
+        return CorpusTokenizer.train(corpus, args.vocab_size)
     from colossalai.checkpoint import load_run_file, resolve_checkpoint
 
     saved = load_run_file(resolve_checkpoint(args.resume))["run"].get("extra", {}).get("tokenizer")
@@ -109,9 +109,9 @@ def _tokenizer(args: argparse.Namespace) -> CorpusTokenizer:
     return tokenizer
 
 
-def _dataset(args: argparse.Namespace, seq_len: int, tokenizer: CorpusTokenizer):
+def _dataset(args: argparse.Namespace, seq_len: int, tokenizer: CorpusTokenizer, corpus: torch.Tensor):
     """The corpus windows; at least one global batch of them (or a ValueError naming the options)."""
-    data = corpus_dataset(seq_len, args.corpus_bytes, tokenizer)
+    data = TokenWindows(tokenizer.encode_corpus(corpus), seq_len)
     if len(data) < args.batch_size:
         raise ValueError(
             f"--corpus-bytes {args.corpus_bytes} is {data.tokens.numel()} tokens ({tokenizer.kind}, --vocab-size "
@@ -121,10 +121,11 @@ def _dataset(args: argparse.Namespace, seq_len: int, tokenizer: CorpusTokenizer)
 
 
 def _setup(args: argparse.Namespace):
-    """Booster, boosted model/optimizer/loader/scheduler, the tokenizer and the run state (resumed
-    or fresh)."""
+    """Booster, boosted model/optimizer/loader/scheduler, the run state (resumed or fresh), the
+    tokenizer and the corpus bytes per token."""
     torch.manual_seed(args.seed)
-    tokenizer = _tokenizer(args)
+    corpus = load_corpus(args.corpus_bytes)  # read once: the tokenizer learns from it, the windows cut it
+    tokenizer = _tokenizer(args, corpus)
     booster = Booster(plugin=_plugin(args), mixed_precision=args.precision)
     dp = booster.plugin.dp_size()
     if args.batch_size % dp:
@@ -141,12 +142,13 @@ def _setup(args: argparse.Namespace):
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _schedule(optim, args.warmup, args.steps)
-    loader = booster.prepare_dataloader(_dataset(args, seq_len, tokenizer), args.batch_size // dp, seed=args.seed)
+    data = _dataset(args, seq_len, tokenizer, corpus)
+    loader = booster.prepare_dataloader(data, args.batch_size // dp, seed=args.seed)
     model, optim, _, loader, sched = booster.boost(model, optim, criterion, loader, sched)
     state = RunState(extra={"args": vars(args), "tokenizer": tokenizer.to_json()})  # resume and samples read it
     if args.resume:
         state = booster.load_run(args.resume, model, optim, sched, dataloader=loader)
-    return booster, model, optim, loader, sched, state, seq_len, tokenizer
+    return booster, model, optim, loader, sched, state, seq_len, tokenizer, corpus.numel() / data.tokens.numel()
 
 
 def _batches(loader, state: RunState):
@@ -312,11 +314,6 @@ def _sample(
     return tokenizer.decode(out[0].cpu())
 
 
-def _bytes_per_token(args: argparse.Namespace, loader) -> float:
-    """Corpus bytes per training token (1 for bytes, ~3 for the default BPE)."""
-    return load_corpus(args.corpus_bytes).numel() / max(loader.dataset.tokens.numel(), 1)
-
-
 def _loss_row(first: float | None, last: float | None, tokenizer: CorpusTokenizer, bytes_per_token: float) -> str:
     """'5.5 -> 3.6 (1.19 per byte)': per token, and per byte of text for a BPE (comparable across vocabularies)."""
     if first is None:
@@ -348,7 +345,7 @@ def train(args: argparse.Namespace) -> dict:
 
     info = launch()
     t0 = time.perf_counter()
-    booster, model, optim, loader, sched, state, seq_len, tokenizer = _setup(args)
+    booster, model, optim, loader, sched, state, seq_len, tokenizer, bytes_per_token = _setup(args)
     start = state.step
     meters, first, last = _loop(args, booster, model, optim, loader, sched, state, seq_len, info.rank)
     if args.save_dir and (not args.save_every or state.step % args.save_every):
@@ -372,7 +369,6 @@ def train(args: argparse.Namespace) -> dict:
             temperature=args.sample_temperature,
             top_k=args.sample_top_k,
         )
-    bytes_per_token = _bytes_per_token(args, loader)
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
         "model": f"{_model_name(args)}: {model.unwrap().config.num_parameters():,} parameters",

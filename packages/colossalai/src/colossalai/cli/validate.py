@@ -72,8 +72,12 @@ def _check_ranges(args: argparse.Namespace) -> None:
     for dest, low in at_least.items():
         if getattr(args, dest) < low:
             raise UsageError(f"{_flag(dest)} must be >= {low}, got {getattr(args, dest)}")
-    if args.vocab_size < 256:
-        raise UsageError(f"--vocab-size must be >= 256 (256: plain bytes), got {args.vocab_size}")
+    from colossalai.data import BYTE_VOCAB_SIZE
+
+    if args.vocab_size < BYTE_VOCAB_SIZE:
+        raise UsageError(
+            f"--vocab-size must be >= {BYTE_VOCAB_SIZE} ({BYTE_VOCAB_SIZE}: plain bytes), got {args.vocab_size}"
+        )
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {args.seq_len}")
     if not (math.isfinite(args.lr) and args.lr > 0):

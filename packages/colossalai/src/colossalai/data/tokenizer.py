@@ -26,12 +26,17 @@ import pathlib
 
 import torch
 
+from colossalai.data.corpus import VOCAB_SIZE as BYTE_VOCAB_SIZE  # token id == byte value; the BPE alphabet
+from colossalai.data.corpus import encode as _encode_bytes
+
 __all__ = ["BYTE_VOCAB_SIZE", "CorpusTokenizer"]
 
-BYTE_VOCAB_SIZE = 256
-"""Vocabulary of the byte-level tokenizer (token id == byte value), and the BPE alphabet."""
-
 _FORMAT = "colossalai-corpus-tokenizer/1"
+
+
+def _check_vocab_size(vocab_size) -> None:
+    if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB_SIZE}, got {vocab_size!r}")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -51,8 +56,7 @@ class CorpusTokenizer:
     """
 
     def __init__(self, vocab_size: int = BYTE_VOCAB_SIZE, bpe_json: str | None = None) -> None:
-        if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB_SIZE:
-            raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB_SIZE}, got {vocab_size!r}")
+        _check_vocab_size(vocab_size)
         if bpe_json is None and vocab_size != BYTE_VOCAB_SIZE:
             raise ValueError(f"a vocab_size of {vocab_size} needs a learned BPE (CorpusTokenizer.train)")
         self.vocab_size = vocab_size
@@ -82,8 +86,7 @@ class CorpusTokenizer:
     def train(cls, corpus: torch.Tensor | bytes, vocab_size: int) -> CorpusTokenizer:
         """Learn a byte-level BPE of at most ``vocab_size`` ids from ``corpus`` (UTF-8 bytes, a
         uint8 tensor as :func:`~colossalai.data.load_corpus` returns); 256: the byte tokenizer."""
-        if not isinstance(vocab_size, int) or vocab_size < BYTE_VOCAB_SIZE:
-            raise ValueError(f"vocab_size must be an int >= {BYTE_VOCAB_SIZE}, got {vocab_size!r}")
+        _check_vocab_size(vocab_size)
         if vocab_size == BYTE_VOCAB_SIZE:
             return cls()
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -115,7 +118,7 @@ class CorpusTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (N,) of ``text`` (long)."""
         if self._bpe is None:
-            return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+            return _encode_bytes(text)
         return torch.tensor(self._bpe.encode(text).ids, dtype=torch.long)
 
     def encode_corpus(self, corpus: torch.Tensor) -> torch.Tensor:
