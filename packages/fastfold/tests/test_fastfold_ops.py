@@ -77,14 +77,19 @@ def test_compiled_path_equals_torch_path():
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["eager", "fused"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_attention_core_gradients_equal_eager_formula(masked):
-    """[Note: fused attention in inference]: with autograd the fused forward's gradients (the
-    probabilities recomputed in backward) equal autograd through the eager formula, for q, k, v, a
-    pair bias broadcast over the batch and a key-mask bias (float64, 1e-10: only the summation
-    order differs); the forward equals the fused forward without autograd bit for bit."""
-    from fastfold.ops import attention_core
+def test_attention_core_gradients_equal_eager_formula(masked, path, monkeypatch):
+    """[Note: fused attention in inference], [Note: eager attention in training]: with autograd
+    the training attention's gradients (eager: autograd's; fused: the probabilities recomputed in
+    backward) equal autograd through the eager formula, for q, k, v, a pair bias broadcast over
+    the batch and a key-mask bias (float64, 1e-10: only the summation order differs); the forward
+    equals the forward without autograd inside ``training_kernels()`` bit for bit."""
+    import fastfold.ops.attention
+    from fastfold.ops import attention_core, training_kernels
 
+    if path == "fused":
+        monkeypatch.setattr(fastfold.ops.attention, "EAGER_TRAINING_MAX_BYTES", 0)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(3, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
     pair = torch.randn(1, 2, 5, 5, generator=g, dtype=torch.float64)
@@ -92,7 +97,7 @@ def test_attention_core_gradients_equal_eager_formula(masked):
     key_bias = mask_bias(keys, 1e9) + 0.1 * torch.randn(3, 1, 1, 5, generator=g, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, pair, key_bias)]
     out = attention_core(*leaves[:3], leaves[3:])
-    with torch.no_grad():
+    with torch.no_grad(), training_kernels():
         assert torch.equal(out, attention_core(q, k, v, [pair, key_bias]))
     w = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = torch.autograd.grad((out * w).sum(), leaves)
@@ -103,3 +108,39 @@ def test_attention_core_gradients_equal_eager_formula(masked):
     for name, a, b in zip(["q", "k", "v", "pair bias", "key bias"], got, want):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"gradient of {name}")
+
+
+def test_attention_core_kernel_choice(monkeypatch):
+    """[Note: eager attention in training]: inference (no autograd) runs the fused kernel at every
+    size; a training forward (autograd, or no autograd inside ``training_kernels()``) runs the eager
+    path while the logits fit ``EAGER_TRAINING_MAX_BYTES`` and the fused kernel above it. The
+    choice is per thread: ``training_kernels()`` does not leak into another thread or past its block."""
+    import contextlib
+    import threading
+
+    import fastfold.ops.attention as att
+    from fastfold.ops import attention_core, training_kernels
+
+    calls = []
+    fused = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    q, k, v = (torch.randn(2, 3, 4, 5) for _ in range(3))  # logits 2*3*4*4 float32 = 384 bytes
+
+    def fused_used(grad, training=False, limit=att.EAGER_TRAINING_MAX_BYTES):
+        monkeypatch.setattr(att, "EAGER_TRAINING_MAX_BYTES", limit)
+        calls.clear()
+        with torch.set_grad_enabled(grad), training_kernels() if training else contextlib.nullcontext():
+            attention_core(q.clone().requires_grad_(grad), k, v)
+        return bool(calls)
+
+    assert fused_used(grad=False)
+    assert not fused_used(grad=True)
+    assert not fused_used(grad=False, training=True)
+    assert not fused_used(grad=True, limit=384) and fused_used(grad=True, limit=383)
+    assert fused_used(grad=False, training=True, limit=383)
+    seen = []
+    with training_kernels():
+        other = threading.Thread(target=lambda: seen.append(fused_used(grad=False)))
+        other.start()
+        other.join()
+    assert seen == [True] and fused_used(grad=False)

@@ -7,9 +7,20 @@ import pytest
 import torch
 from fastfold_testutils import rand, rand_mask, randomize_, ref_evoformer_block, tiny_evo
 
+import fastfold.ops.attention
 from fastfold import EvoformerStack
+from fastfold.ops import training_kernels
 
 TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+@pytest.fixture(params=["eager", "fused"])
+def attention_path(request, monkeypatch):
+    """Training attention on the eager path (these sizes, the default) or on ``_FusedAttention``
+    (what large crops take; see [Note: eager attention in training])."""
+    if request.param == "fused":
+        monkeypatch.setattr(fastfold.ops.attention, "EAGER_TRAINING_MAX_BYTES", 0)
+    return request.param
 
 
 def _loss(m, z, s):
@@ -19,7 +30,7 @@ def _loss(m, z, s):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("n_seq", [2, 6])  # c_hidden_opm 3: b-first (2 < 3) and outer-first contraction
-def test_evoformer_gradients_equal_reference(checkpoint, n_seq):
+def test_evoformer_gradients_equal_reference(checkpoint, n_seq, attention_path):
     stack = randomize_(EvoformerStack(tiny_evo(msa_dropout=0.0, pair_dropout=0.0)).double()).train()
     m, z = rand(n_seq, 7, 12, seed=1).requires_grad_(), rand(7, 7, 8, seed=2).requires_grad_()
     msa_mask, pair_mask = rand_mask(n_seq, 7, seed=3), rand_mask(7, 7, seed=4)
@@ -60,17 +71,18 @@ def test_checkpointed_forward_runs_without_autograd_and_keeps_parameter_gradient
 
 
 @pytest.mark.parametrize("n_res", [7, 10])
-def test_checkpointed_gradients_equal_plain_float32_bitwise(n_res):
-    """[Note: checkpointing with the inference forward]: the first forward (no autograd) and the
-    recompute run the same kernels on the same layouts (the fused attention, the lean triangle
-    update, the gates), so in float32 the checkpointed block's outputs and every gradient equal
-    the plain autograd run's bit for bit (they differed by rounding when the two forwards took
-    different kernels, up to 6.5e-5 of the largest gradient at a ReLU kink)."""
+def test_checkpointed_gradients_equal_plain_float32_bitwise(n_res, attention_path):
+    """[Note: checkpointing with the inference forward]: the first forward (no autograd, inside
+    ``training_kernels()``) and the recompute run the same kernels on the same layouts (the eager
+    or the fused attention, the lean triangle update, the gates), so in float32 the checkpointed
+    block's outputs and every gradient equal the plain autograd run's bit for bit (they differed
+    by rounding when the two forwards took different kernels, up to 6.5e-5 of the largest
+    gradient at a ReLU kink)."""
     f32 = torch.float32
     stack = randomize_(EvoformerStack(tiny_evo(msa_dropout=0.0, pair_dropout=0.0)).to(f32)).train()
     m, z = rand(3, n_res, 12, seed=1, dtype=f32), rand(n_res, n_res, 8, seed=2, dtype=f32)
     msa_mask, pair_mask = rand_mask(3, n_res, seed=3, dtype=f32), rand_mask(n_res, n_res, seed=4, dtype=f32)
-    with torch.no_grad():
+    with torch.no_grad(), training_kernels():
         first = stack.blocks[0](m, z, msa_mask, pair_mask)
     plain = stack.blocks[0](m, z, msa_mask, pair_mask)
     for a, b in zip(first, plain):

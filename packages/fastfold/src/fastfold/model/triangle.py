@@ -20,18 +20,59 @@ __all__ += ["TriangleAttention", "TriangleAttentionStartingNode", "TriangleAtten
 # [Note: triangle update in inference]
 # Without autograd (and DAP) the update holds only two operand-sized buffers, A and B
 # [*, c, R, R], besides its output: (1) chunks of z's rows are normalised and projected by ONE GEMM
-# (the four a/b projections' weights concatenated), gated in place and written channels-first
-# into A and B with z's rows in the middle axis (contiguous writes; LN(z) and the [*, I, J, 4c]
-# projections never exist whole); (2) the product runs per block of channels as full R x R GEMMs
-# (BLAS transposes the operand that needs it: outgoing A B^T, incoming A^T B) and is written over
-# the block of A it has just read, so x takes A's place and the GEMMs stay large whatever the
-# chunk size; (3) chunks of x's rows go through LN, linear_z and the gate (LN(z) recomputed for
-# the chunk's rows) into the output or, in place, into z. Same sums as OpenFold's; the GEMM
-# blocking differs, so float rounding may. With autograd (training without DAP) the same code runs
-# with out-of-place gates and ``torch.cat`` instead of the buffer writes: the same kernels on the
-# same layouts, so the two modes agree bit for bit ([Note: checkpointing with the inference
-# forward] needs this). Under DAP (or with a ``prepared`` prologue) the projections run whole on
-# the local rows (``prepare``) and the product in chunks of rows (``_combine``), in both modes.
+# (the four a/b projections' weights concatenated) computed as ``W @ LN(z)^T``, so the projection
+# comes out channels-first [*, 4c, rows, J]: each of a/b and their gates is a dense block, gated in
+# place and copied into A and B with z's rows in the middle axis (no permuting copy; LN(z) and the
+# projections never exist whole). Unchunked, a block holds up to _BLOCK_BYTES of projection and at
+# least R/8 rows; at small R (training crops) one block covers every row and A, B are its gated
+# blocks, no copy. (2) The product runs per block of channels (at least 8, up to _PRODUCT_BYTES)
+# as full R x R GEMMs (BLAS transposes the operand that needs it: outgoing A B^T, incoming A^T B)
+# and is written over the block of A it has just read, so x takes A's place and the GEMMs stay
+# large whatever the chunk size; (3) chunks of x's rows are copied channels-last (``_ChannelsLast``:
+# its gradient goes back dense channels-first, so the product's backward GEMMs run batched without
+# a copy per matrix) and go through LN, linear_z and the gate (LN(z) recomputed for the chunk's
+# rows, or reused when one block covered them all) into the output or, in place, into z. Same sums
+# as OpenFold's; the GEMM blocking differs, so float rounding may. With autograd (training without
+# DAP) the same code runs with out-of-place gates and ``torch.cat`` instead of the buffer writes:
+# the same kernels on the same layouts, so the two modes agree bit for bit ([Note: checkpointing
+# with the inference forward] needs this). Under DAP (or with a ``prepared`` prologue) the
+# projections run whole on the local rows (``prepare``) and the product in chunks of rows
+# (``_combine``), in both modes.
+
+
+_BLOCK_BYTES = 16 * 2**20  # unchunked: row blocks of the fused projection up to this size
+_PRODUCT_BYTES = 4 * 2**20  # channel blocks of the product up to this size
+
+
+def _linear_channels_first(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for ``x`` [*, I, J, c_in], computed as ``w @ x^T`` so the result is
+    channels-first [*, c_out, I, J] and contiguous: each output channel block is a dense operand
+    for the batched GEMMs and the gates, with no permuting copy."""
+    flat = x.reshape(*x.shape[:-3], -1, x.shape[-1])  # [*, I*J, c_in]
+    if flat.dim() == 2:
+        out = torch.addmm(bias.unsqueeze(-1), w, flat.transpose(-1, -2))
+    else:
+        out = torch.matmul(w, flat.transpose(-1, -2)) + bias.unsqueeze(-1)
+    return out.view(*x.shape[:-3], w.shape[0], *x.shape[-3:-1])
+
+
+class _ChannelsLast(torch.autograd.Function):
+    """``x`` [*, c, I, J] -> contiguous [*, I, J, c]; the gradient goes back contiguous
+    channels-first, the layout the product's batched GEMMs take without a copy per matrix."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.movedim(-3, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.movedim(-1, -3).contiguous()
+
+
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ChannelsLast.apply(x)
+    return x.movedim(-3, -1).contiguous()
 
 
 class TriangleMultiplicativeUpdate(nn.Module):
@@ -69,64 +110,80 @@ class TriangleMultiplicativeUpdate(nn.Module):
 
     def _operands(self, z, mask, chunk_size):
         """Channels-first operands ``A``, ``B`` [*, c, rows of z, cols of z] written chunk by chunk of
-        ``z``'s rows (see [Note: triangle update in inference]); concatenated under autograd."""
-        # unchunked: still 8 row blocks (the [*, rows, J, 4c] projection is the largest transient;
-        # GEMMs of R/8 x R rows are as fast as one)
+        ``z``'s rows (see [Note: triangle update in inference]); concatenated under autograd. Also
+        ``LN(z)`` when one block covered all rows (``None`` otherwise)."""
+        # unchunked: row blocks of at least R/8 rows and of up to _BLOCK_BYTES of projection (the
+        # [*, 4c, rows, J] projection is the largest transient), one block at small R
         n = z.shape[-3]
-        step = max(1, -(-n // 8)) if chunk_size is None else chunk_size
         c = self.linear_a_p.out_features
+        step = chunk_size
+        if chunk_size is None:
+            step = max(-(-n // 8), _BLOCK_BYTES // max(1, z[..., :1, :, :1].numel() * 4 * c * z.element_size()), 1)
         w, bias = self._fused_weights()
         grad = torch.is_grad_enabled()
-        a_all = b_all = None
+        a_all = b_all = z_ln = None
         a_parts, b_parts = [], []
         for start in range(0, n, step):
             rows = min(step, n - start)
-            z_c, mask_c = z.narrow(-3, start, rows), mask.narrow(-2, start, rows).unsqueeze(-1)
-            p_a, g_a, p_b, g_b = F.linear(self.layer_norm_in(z_c), w, bias).split(c, dim=-1)  # [*, rows, J, c]
+            z_c, mask_c = z.narrow(-3, start, rows), mask.narrow(-2, start, rows).unsqueeze(-3)
+            z_ln = self.layer_norm_in(z_c)
+            p_a, g_a, p_b, g_b = _linear_channels_first(z_ln, w, bias).split(c, dim=-3)  # [*, c, rows, J]
             if grad:
-                a_parts.append((torch.sigmoid(g_a) * p_a * mask_c).movedim(-1, -3))  # [*, c, rows, J]
-                b_parts.append((torch.sigmoid(g_b) * p_b * mask_c).movedim(-1, -3))
+                a_parts.append(torch.sigmoid(g_a) * p_a * mask_c)
+                b_parts.append(torch.sigmoid(g_b) * p_b * mask_c)
                 continue
-            a_c = g_a.sigmoid_().mul_(p_a).mul_(mask_c).movedim(-1, -3)  # [*, c, rows, J]
-            b_c = g_b.sigmoid_().mul_(p_b).mul_(mask_c).movedim(-1, -3)
+            a_c, b_c = g_a.sigmoid_().mul_(p_a).mul_(mask_c), g_b.sigmoid_().mul_(p_b).mul_(mask_c)
+            if rows == n:  # one block: A and B are these
+                return a_c, b_c, z_ln
             if a_all is None:
                 a_all = z.new_empty((*z.shape[:-3], c, n, z.shape[-2]))
                 b_all = torch.empty_like(a_all)
             a_all.narrow(-2, start, rows).copy_(a_c)
             b_all.narrow(-2, start, rows).copy_(b_c)
         if grad:
-            return torch.cat(a_parts, dim=-2), torch.cat(b_parts, dim=-2)
-        return a_all, b_all
+            if len(a_parts) == 1:
+                return a_parts[0], b_parts[0], z_ln
+            return torch.cat(a_parts, dim=-2), torch.cat(b_parts, dim=-2), None
+        return a_all, b_all, None
 
-    def _product_into_a(self, a_all, b_all, block: int = 8):
-        """``x`` [*, c, I, J] written over ``a_all`` ``block`` channels at a time: outgoing
+    def _product_into_a(self, a_all, b_all):
+        """``x`` [*, c, I, J] written over ``a_all`` a block of channels at a time: outgoing
         ``x = A B^T`` (``x_ij = sum_k a_ik b_jk``), incoming ``x = A^T B`` (``sum_k a_ki b_kj``);
         under autograd the blocks are concatenated instead."""
         c = a_all.shape[-3]
+        # at least 8 channels, as many as fit _PRODUCT_BYTES of product (z is square)
+        block = max(8, _PRODUCT_BYTES // max(1, a_all[..., :1, :, :].numel() * a_all.element_size()))
         grad = torch.is_grad_enabled()
         parts = []
         for start in range(0, c, block):
             a_c, b_c = a_all.narrow(-3, start, min(block, c - start)), b_all.narrow(-3, start, min(block, c - start))
             x_c = a_c @ b_c.transpose(-1, -2) if self.outgoing else a_c.transpose(-1, -2) @ b_c
-            if grad:
-                parts.append(x_c)
+            if grad or block >= c:
+                parts.append(x_c)  # one block: x is the product itself (no copy)
             else:
                 a_c.copy_(x_c)  # a_c was read whole by the product above
-        return torch.cat(parts, dim=-3) if grad else a_all
+        if parts:
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-3)
+        return a_all
 
     def _lean(self, z, mask, chunk_size, accumulate_into):
-        a_all, b_all = self._operands(z, mask, chunk_size)
+        a_all, b_all, z_ln = self._operands(z, mask, chunk_size)
         x = self._product_into_a(a_all, b_all)  # [*, c, I, J]
         del a_all, b_all
-        fn = lambda x_c, z_c: self._finish(x_c.movedim(-3, -1), z_c)
+        if z_ln is not None and chunk_size is None:  # one block: LN(z) of every row is at hand
+            return self._finish(x, z_ln, accumulate_into)
+        fn = lambda x_c, z_c: self._finish(x_c, self.layer_norm_in(z_c))
         return chunk_apply(fn, [x, z], [-2, -3], chunk_size, -3, accumulate_into)
 
-    def _finish(self, x, z_c):
-        """``sigmoid(linear_g(LN_in(z))) * linear_z(LN_out(x))`` for rows ``z_c`` (LN recomputed per chunk)."""
-        x = self.linear_z(self.layer_norm_out(x))
+    def _finish(self, x, z_ln, accumulate_into=None):
+        """``sigmoid(linear_g(z_ln)) * linear_z(LN_out(x))`` for channels-first ``x`` [*, c, I, J] and
+        ``z_ln`` = ``LN_in(z)`` of the same rows [*, I, J, c_z]."""
+        x = self.linear_z(self.layer_norm_out(_channels_last(x)))
         if torch.is_grad_enabled():
-            return torch.sigmoid(self.linear_g(self.layer_norm_in(z_c))) * x
-        return self.linear_g(self.layer_norm_in(z_c)).sigmoid_().mul_(x)
+            out = torch.sigmoid(self.linear_g(z_ln)) * x
+        else:
+            out = self.linear_g(z_ln).sigmoid_().mul_(x)
+        return out if accumulate_into is None else accumulate_into.add_(out)
 
     def _combine(self, a_c, b_t, z_ln):
         x = (a_c @ b_t).movedim(-3, -1)  # [*, c, I_c, K] @ [*, c, K, J] -> [*, I_c, J, c]
@@ -202,8 +259,9 @@ class TriangleAttention(nn.Module):
         """``z`` [*, I, J, c_z], ``mask`` [*, I, J] -> update [*, I, J, c_z]. Under DAP rows (starting)
         or columns (ending) are local and the bias is all-gathered. ``prepared``: :meth:`prepare`."""
         acc = accumulate_into
-        if prepared is None and dap is None:
-            # LN(z) is recomputed per chunk rather than held whole (the bias needs one pass over it)
+        if prepared is None and dap is None and chunk_size is not None:
+            # LN(z) is recomputed per chunk rather than held whole (the bias needs one pass over it);
+            # unchunked, LN(z) is computed once (the logits dwarf it)
             bias = chunk_apply(lambda z_c: self.linear(self.layer_norm(z_c)), [z], [-3], chunk_size, -3)
             z_ln, attend = z, lambda z_c, kb_c: self.mha(*(2 * [self.layer_norm(z_c)]), [kb_c, bias])
         else:

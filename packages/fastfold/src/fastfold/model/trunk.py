@@ -7,6 +7,7 @@ import torch
 
 from fastfold.chunk import check_chunk_size
 from fastfold.model.dropout import draw_dropout_seed
+from fastfold.ops import training_kernels
 from fastfold.parallel.dap import pad_axis
 
 __all__ = ["check_trunk_inputs", "run_trunk", "checkpoint_block"]
@@ -19,7 +20,9 @@ __all__ = ["check_trunk_inputs", "run_trunk", "checkpoint_block"]
 # paths) from the saved inputs and differentiates that. The two forwards run the same kernels on
 # tensors of the same layouts (the fused attention has an autograd form, the lean triangle update
 # runs under autograd, see [Note: fused attention in inference] and [Note: triangle update in
-# inference]), so they agree bit for bit and the gradients equal those of a plain autograd run
+# inference]; both forwards run inside ``training_kernels()``, so small attentions take the eager
+# path in both, see [Note: eager attention in training]), so they agree bit for bit and the
+# gradients equal those of a plain autograd run
 # (float32, tested). Were the kernels different, the next block would be differentiated at inputs
 # a rounding away, which near a ReLU kink moved a weight gradient by 6.5e-5 of the largest. The block's
 # parameters are inputs of the autograd node, so their gradients flow even when ``m`` and ``z``
@@ -105,14 +108,14 @@ class _InferenceForwardCheckpoint(torch.autograd.Function):
     def forward(ctx, run, m, z, msa_mask, pair_mask, *params):
         ctx.run = run
         ctx.save_for_backward(m, z, msa_mask, pair_mask)
-        with torch.no_grad():
+        with torch.no_grad(), training_kernels():
             return run(m, z, msa_mask, pair_mask)
 
     @staticmethod
     def backward(ctx, grad_m, grad_z):
         m, z, msa_mask, pair_mask = ctx.saved_tensors
         m_in, z_in = (t.detach().requires_grad_(t.requires_grad) for t in (m, z))
-        with torch.enable_grad():
+        with torch.enable_grad(), training_kernels():
             out = ctx.run(m_in, z_in, msa_mask, pair_mask)
         params = [p for p in ctx.run.params if p.requires_grad]
         wrt = [t for t in (m_in, z_in) if t.requires_grad] + params

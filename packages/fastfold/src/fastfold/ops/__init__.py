@@ -1,7 +1,7 @@
 """Fused operators of the Evoformer with a pure-torch path and a compiled path (see
 :mod:`fastfold.ops.backend`)."""
 
-from fastfold.ops.attention import attention_core
+from fastfold.ops.attention import attention_core, training_kernels
 from fastfold.ops.backend import OpsBackend, get_ops_backend, set_ops_backend
 from fastfold.ops.bias_dropout_add import bias_dropout_add, sigmoid_gate
 from fastfold.ops.layer_norm import LayerNorm, layer_norm
@@ -18,4 +18,5 @@ __all__ = [
     "set_ops_backend",
     "sigmoid_gate",
     "softmax_with_biases",
+    "training_kernels",
 ]
