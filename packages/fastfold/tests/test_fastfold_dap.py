@@ -91,6 +91,21 @@ def test_dap_4_ranks_evoformer():
     assert run_distributed(rank_evoformer, 4, 5, 9, False, timeout=180) == [3] * 4
 
 
+def rank_evoformer_opm_order(order):
+    from fastfold.model import OuterProductMean
+
+    OuterProductMean._order = lambda self, *shape: order  # this rank process only
+    return rank_evoformer(3, 7, True)
+
+
+@pytest.mark.parametrize("order", ["a", "b"])
+def test_dap_outer_product_mean_orders(order):
+    """[Note: outer product mean contraction order] under DAP (the default at these sizes is the
+    outer product first): W contracted into the local rows' a (what DAP picks at model sizes) or
+    into the gathered b, checkpointed training, equal to the single-rank run."""
+    assert run_distributed(rank_evoformer_opm_order, 2, order, timeout=180) == [3, 3]
+
+
 def rank_comm_pattern():
     model = EvoformerStack(tiny_evo(no_blocks=2)).double().eval()
     events = []
@@ -107,17 +122,17 @@ def rank_comm_pattern():
 
 def test_dap_comm_pattern_per_block():
     """Per block: 2 MSA all-to-alls (seq<->res), 4 pair switches (row<->col twice) of which the
-    three inside the pair stack are pipelined in 2 pieces (7 calls), 7 all-gathers (row-attention
-    bias, OPM right projection + its mask, the two triangle-update operands, the two
-    triangle-attention biases); the trunk adds 3 output gathers (m, z, s)."""
+    three inside the pair stack are pipelined in 2 pieces (7 calls), 6 all-gathers (row-attention
+    bias, OPM right projection, the two triangle-update operands, the two triangle-attention
+    biases; the OPM's mask comes whole from the block); the trunk adds 3 output gathers (m, z, s)."""
     calls, overlapped, synchronous = run_distributed(rank_comm_pattern, 2, timeout=60)[0]
     assert calls["all_to_all"] == 2 * (2 + 1 + 3 * 2)
-    assert calls["all_gather"] == 2 * 7 + 3
+    assert calls["all_gather"] == 2 * 6 + 3
     # the row-attention bias gather, the MSA all-to-all back to the sequence split and every pair
     # all-to-all run async (see test_fastfold_dap_overlap.py for the overlap itself)
     assert overlapped == ["fastfold.dap.all_to_all", "fastfold.dap.gather", "fastfold.dap.pair_all_to_all"]
-    # still synchronous: the MSA switch after row attention, the OPM mask gather, the output gathers
-    assert synchronous == ["fastfold.dap.gather_mask", "functional.all_to_all", "functional.gather"]
+    # still synchronous: the MSA switch after row attention, the output gathers
+    assert synchronous == ["functional.all_to_all", "functional.gather"]
 
 
 def rank_too_many_ranks():

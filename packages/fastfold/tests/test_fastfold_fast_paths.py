@@ -90,17 +90,27 @@ def test_triangle_updates(inputs, chunk_size, inplace, mul, att, outgoing):
     torch.testing.assert_close(_run(fn, chunk_size, inplace, z), ref_tri_att(mod, z, pair_mask, outgoing), **TOL)
 
 
-@pytest.mark.parametrize("n_seq", [2, 20])  # S < c_hidden: W contracted into b first; else outer first
+@pytest.mark.parametrize("order", ["outer", "b", "a"])
 @pytest.mark.parametrize("chunk_size,inplace", CASES)
-def test_outer_product_mean_both_orders(n_seq, chunk_size, inplace):
-    m, mask = rand(n_seq, R, CM, seed=7), rand_mask(n_seq, R, seed=8)
+def test_outer_product_mean_every_order(order, chunk_size, inplace, monkeypatch):
+    """[Note: outer product mean contraction order]: each of the three orders equals the reference
+    (float64), with and without autograd, chunked and in place."""
+    m, mask = rand(6, R, CM, seed=7), rand_mask(6, R, seed=8)
     mod = _mk(OuterProductMean, CM, CZ, 5)
-    assert mod._contract_b_first(n_seq, R, R) == (n_seq < 5)
+    monkeypatch.setattr(mod, "_order", lambda *shape: order)
     with torch.enable_grad():
         torch.testing.assert_close(mod(m, mask, chunk_size), ref_opm(mod, m, mask), **TOL)  # training path too
     like = rand(R, R, CZ, seed=9)
     fn = lambda c, acc: mod(m, mask, c, accumulate_into=acc)
     torch.testing.assert_close(_run(fn, chunk_size, inplace, like), ref_opm(mod, m, mask), **TOL)
+
+
+def test_outer_product_mean_order_choice():
+    """The cheapest order by multiply-adds: W into b for few sequences, the outer product first for
+    many, W into the local a when the rows are a DAP slice of the columns (c_hidden 5, c_z 4)."""
+    mod = _mk(OuterProductMean, CM, CZ, 5)
+    assert [mod._order(n_seq, R, R) for n_seq in (2, 4, 20)] == ["b", "b", "outer"]
+    assert mod._order(2, R // 2, R) == "a" and mod._order(20, R // 2, R) == "outer"
 
 
 @pytest.mark.parametrize("chunk_size,inplace", CASES)

@@ -70,7 +70,7 @@ class EvoformerBlock(nn.Module):
         m, res_mask = self._msa_stack(m, z, msa_mask, chunk_size, inplace, dap, draw)
         z = pending_z.wait() if pending_z is not None else z  # [*, R_loc, R, c_z]
         with torch.profiler.record_function("fastfold::outer_product_mean"):
-            fn = lambda acc: self.outer_product_mean(m, res_mask, chunk_size, dap=dap, accumulate_into=acc)
+            fn = lambda acc: self.outer_product_mean(m, res_mask, chunk_size, dap, acc, mask_all=msa_mask)
             z = residual_update(z, fn, 0.0, self.training, None, inplace)
         pending = dap.all_to_all_async(m, -3, -2) if dap is not None else None  # back to S local, overlapped
         z = self.pair_stack(z, pair_mask, chunk_size, inplace, dap, "row", "col", draw)

@@ -18,8 +18,13 @@ __all__ = ["OuterProductMean"]
 # channels: 8x the pair representation). Contracting W into b first, bw_sjzc = sum_e W_zce b_sje,
 # then o_ij = sum_{s,c} a_sic bw_sjzc (one GEMM of [I, S*c] x [S*c, J*c_z]) costs
 # S*J*e*c_z*c + I*J*S*c*c_z: fewer when S < c (2x fewer at S=16, c=32) and its intermediate is
-# [S, J, c_z, c] instead. The cheaper order is chosen from the shapes; both are the same sum, so
-# they differ by float rounding only. The b-first form is chunked along columns j.
+# [S, J, c_z, c] instead. Under DAP the rows i are local (I = R/n) and b is gathered whole
+# (J = R): contracting W into b first would cost every rank the whole S*J*e*c_z*c. Contracting W
+# into the local a instead, aw_size = sum_c a_sic W_zce, then o_ij = sum_{s,e} aw_size b_sje (one GEMM of [I*c_z, S*e] x
+# [S*e, J]), costs S*I*c*c_z*e + I*J*S*e*c_z: both terms shrink with the local I. Of the three
+# orders the cheapest is chosen from the shapes (ties: outer first, then b first); all are the
+# same sum, so they differ by float rounding only. b first is chunked along columns j, the other
+# two along rows i.
 
 
 class OuterProductMean(nn.Module):
@@ -49,24 +54,46 @@ class OuterProductMean(nn.Module):
         out = out + self.linear_out.bias
         return out / (self.eps + norm_c.unsqueeze(-1))
 
-    def _contract_b_first(self, n_seq: int, n_i: int, n_j: int) -> bool:
-        c, e, c_z = self.linear_1.out_features, self.linear_2.out_features, self.linear_out.out_features
-        outer_first = n_i * n_j * c * e * (n_seq + c_z)
-        b_first = n_seq * n_j * e * c_z * c + n_i * n_j * n_seq * c * c_z
-        return b_first < outer_first
+    def _by_rows(self, a_c: torch.Tensor, b2: torch.Tensor, norm_c: torch.Tensor) -> torch.Tensor:
+        """The same update with ``linear_out`` contracted into ``a`` first (see [Note: outer product
+        mean contraction order]); ``a_c`` [*, S, I_c, c], ``b2`` [*, S*e, J] -> [*, I_c, J, c_z]."""
+        c_z, (n_seq, n_i, c) = self.linear_out.out_features, a_c.shape[-3:]
+        n_j, e = b2.shape[-1], b2.shape[-2] // n_seq
+        w = self.linear_out.weight.view(c_z, c, e).transpose(0, 1).reshape(c, c_z * e)  # [c, c_z*e]
+        aw = (a_c @ w).view(*a_c.shape[:-1], c_z, e)  # [*, S, I_c, c_z, e]
+        aw = aw.movedim(-4, -2).reshape(*aw.shape[:-4], n_i * c_z, n_seq * e)  # [*, I_c*c_z, S*e]
+        out = (aw @ b2).view(*aw.shape[:-2], n_i, c_z, n_j).transpose(-1, -2)  # [*, I_c, J, c_z]
+        out = out + self.linear_out.bias
+        return out / (self.eps + norm_c.unsqueeze(-1))
 
-    def forward(self, m, mask, chunk_size=None, dap=None, accumulate_into=None) -> torch.Tensor:
-        """``m`` [*, S, R, c_m] (R local under DAP), ``mask`` [*, S, R] -> pair update [*, R, R_all, c_z]."""
+    def _order(self, n_seq: int, n_i: int, n_j: int) -> str:
+        """``"outer"``, ``"b"`` or ``"a"``: the contraction order with the fewest multiply-adds."""
+        c, e, c_z = self.linear_1.out_features, self.linear_2.out_features, self.linear_out.out_features
+        costs = {
+            "outer": n_i * n_j * c * e * (n_seq + c_z),
+            "b": n_seq * n_j * e * c_z * c + n_i * n_j * n_seq * c * c_z,
+            "a": n_seq * n_i * c * c_z * e + n_i * n_j * n_seq * e * c_z,
+        }
+        return min(costs, key=lambda k: (costs[k], list(costs).index(k)))
+
+    def forward(self, m, mask, chunk_size=None, dap=None, accumulate_into=None, mask_all=None) -> torch.Tensor:
+        """``m`` [*, S, R, c_m] (R local under DAP), ``mask`` [*, S, R] -> pair update [*, R, R_all, c_z].
+        ``mask_all``: under DAP, the whole mask [*, S, R_all] when the caller has it (else gathered)."""
         m_ln = self.layer_norm(m)
         b = self.linear_2(m_ln) * mask.unsqueeze(-1)  # [*, S, J, c]
         pending = dap.gather_async(b, -2) if dap is not None else None  # overlaps the left projection
         a = self.linear_1(m_ln) * mask.unsqueeze(-1)  # [*, S, I, c]
-        mask_j = mask if dap is None else dap.gather_nograd(mask, -1)
+        mask_j = mask if dap is None else (mask_all if mask_all is not None else dap.gather_nograd(mask, -1))
         b = b if pending is None else pending.wait()
         norm = torch.einsum("...si,...sj->...ij", mask, mask_j)  # [*, I, J]
-        if self._contract_b_first(a.shape[-3], a.shape[-2], b.shape[-2]):
+        order = self._order(a.shape[-3], a.shape[-2], b.shape[-2])
+        if order == "b":
             a2 = a.movedim(-3, -2).reshape(*a.shape[:-3], a.shape[-2], -1)  # [*, I, S*c]
             fn = lambda b_c, n_c: self._by_columns(a2, b_c, n_c)
             return chunk_apply(fn, [b, norm], [-2, -1], chunk_size, -2, accumulate_into)  # chunks of columns j
-        fn = lambda a_c, n_c: self._outer(a_c, b, n_c)
+        if order == "a":
+            b2 = b.transpose(-1, -2).reshape(*b.shape[:-3], -1, b.shape[-2])  # [*, S*e, J]
+            fn = lambda a_c, n_c: self._by_rows(a_c, b2, n_c)
+        else:
+            fn = lambda a_c, n_c: self._outer(a_c, b, n_c)
         return chunk_apply(fn, [a, norm], [-2, -2], chunk_size, -3, accumulate_into)
