@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastfold.chunk import chunk_apply
 from fastfold.model.primitives import Attention, Linear
-from fastfold.ops import LayerNorm, mask_bias, sigmoid_gate
+from fastfold.ops import LayerNorm, mask_bias
 
 __all__ = ["TriangleMultiplicativeUpdate", "TriangleMultiplicationOutgoing", "TriangleMultiplicationIncoming"]
 __all__ += ["TriangleAttention", "TriangleAttentionStartingNode", "TriangleAttentionEndingNode"]
@@ -36,8 +35,9 @@ __all__ += ["TriangleAttention", "TriangleAttentionStartingNode", "TriangleAtten
 # DAP) the same code runs with out-of-place gates and ``torch.cat`` instead of the buffer writes:
 # the same kernels on the same layouts, so the two modes agree bit for bit ([Note: checkpointing
 # with the inference forward] needs this). Under DAP (or with a ``prepared`` prologue) the
-# projections run whole on the local rows (``prepare``) and the product in chunks of rows
-# (``_combine``), in both modes.
+# projections run whole on the local rows (``prepare``, channels-first too: the gathered operand
+# moves and the pipelined all-to-all reassembles it without a permuting copy) and the product in
+# chunks of rows (``_combine``), in both modes.
 
 
 _BLOCK_BYTES = 16 * 2**20  # unchunked: row blocks of the fused projection up to this size
@@ -92,21 +92,19 @@ class TriangleMultiplicativeUpdate(nn.Module):
         self.linear_z = Linear(c_hidden, c_z, init="final")
 
     def _fused_weights(self):
-        lins = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
-        return torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins])  # one GEMM
+        """The four a/b projections as one GEMM, ordered ``a_p, b_p, a_g, b_g`` so that the gated
+        ``[a, b]`` is one elementwise pass over the halves of the projection."""
+        lins = (self.linear_a_p, self.linear_b_p, self.linear_a_g, self.linear_b_g)
+        return torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins])
 
-    def _project(self, z_ln, mask, chunk_size):
-        """``a``, ``b`` = ``mask * sigmoid(g(LN z)) * p(LN z)`` [*, I, J, c] from one GEMM (autograd)."""
-        w, bias = self._fused_weights()
-        c = self.linear_a_p.out_features
-
-        def fn(z_c, mask_c):
-            p_a, g_a, p_b, g_b = F.linear(z_c, w, bias).split(c, dim=-1)
-            mask_c = mask_c.unsqueeze(-1)
-            return torch.cat([sigmoid_gate(p_a, g_a) * mask_c, sigmoid_gate(p_b, g_b) * mask_c], dim=-1)
-
-        ab = chunk_apply(fn, [z_ln, mask], [-3, -2], chunk_size, -3)  # [*, I, J, 2c]
-        return ab.chunk(2, dim=-1)
+    def _gated(self, z_ln, mask, w, bias):
+        """Channels-first ``[a; b]`` = ``mask * sigmoid(g(z_ln)) * p(z_ln)`` [*, 2c, I, J] for
+        ``z_ln`` [*, I, J, c_z] and ``mask`` [*, I, J] (in place of the gate half without autograd)."""
+        p, g = _linear_channels_first(z_ln, w, bias).chunk(2, dim=-3)  # [*, 2c, I, J] each
+        mask = mask.unsqueeze(-3)
+        if torch.is_grad_enabled():
+            return torch.sigmoid(g) * p * mask
+        return g.sigmoid_().mul_(p).mul_(mask)
 
     def _operands(self, z, mask, chunk_size):
         """Channels-first operands ``A``, ``B`` [*, c, rows of z, cols of z] written chunk by chunk of
@@ -125,14 +123,13 @@ class TriangleMultiplicativeUpdate(nn.Module):
         a_parts, b_parts = [], []
         for start in range(0, n, step):
             rows = min(step, n - start)
-            z_c, mask_c = z.narrow(-3, start, rows), mask.narrow(-2, start, rows).unsqueeze(-3)
+            z_c, mask_c = z.narrow(-3, start, rows), mask.narrow(-2, start, rows)
             z_ln = self.layer_norm_in(z_c)
-            p_a, g_a, p_b, g_b = _linear_channels_first(z_ln, w, bias).split(c, dim=-3)  # [*, c, rows, J]
+            a_c, b_c = self._gated(z_ln, mask_c, w, bias).chunk(2, dim=-3)  # [*, c, rows, J]
             if grad:
-                a_parts.append(torch.sigmoid(g_a) * p_a * mask_c)
-                b_parts.append(torch.sigmoid(g_b) * p_b * mask_c)
+                a_parts.append(a_c)
+                b_parts.append(b_c)
                 continue
-            a_c, b_c = g_a.sigmoid_().mul_(p_a).mul_(mask_c), g_b.sigmoid_().mul_(p_b).mul_(mask_c)
             if rows == n:  # one block: A and B are these
                 return a_c, b_c, z_ln
             if a_all is None:
@@ -186,17 +183,20 @@ class TriangleMultiplicativeUpdate(nn.Module):
         return out if accumulate_into is None else accumulate_into.add_(out)
 
     def _combine(self, a_c, b_t, z_ln):
-        x = (a_c @ b_t).movedim(-3, -1)  # [*, c, I_c, K] @ [*, c, K, J] -> [*, I_c, J, c]
-        x = self.linear_z(self.layer_norm_out(x))
-        if torch.is_grad_enabled():
-            return sigmoid_gate(x, self.linear_g(z_ln))
-        return self.linear_g(z_ln).sigmoid_().mul_(x)
+        """The update for a chunk of rows: ``a_c`` [*, c, I_c, K] @ ``b_t`` [*, c, K, J], then
+        :meth:`_finish` with ``z_ln`` [*, I_c, J, c_z]."""
+        return self._finish(a_c @ b_t, z_ln)
 
     def prepare(self, z, mask, chunk_size=None) -> tuple[torch.Tensor, ...]:
         """The position-wise prologue ``(LN(z), a, b)`` [*, I, J, *]; it runs on slices of ``z``
-        while the rest of it is still being transferred (see ``Dap.all_to_all_pipelined``)."""
+        while the rest of it is still being transferred (see ``Dap.all_to_all_pipelined``). ``a``
+        and ``b`` are channels-last views of dense channels-first storage (see
+        :func:`_linear_channels_first`)."""
         z_ln = self.layer_norm_in(z)
-        return (z_ln, *self._project(z_ln, mask, chunk_size))
+        w, bias = self._fused_weights()
+        fn = lambda z_c, mask_c: self._gated(z_c, mask_c, w, bias)
+        ab = chunk_apply(fn, [z_ln, mask], [-3, -2], chunk_size, -2)  # [*, 2c, I, J], chunks of rows
+        return (z_ln, *ab.movedim(-3, -1).chunk(2, dim=-1))
 
     def forward(self, z, mask, chunk_size=None, dap=None, accumulate_into=None, prepared=None) -> torch.Tensor:
         """``z`` [*, I, J, c_z], ``mask`` [*, I, J] -> update [*, I, J, c_z]. Under DAP the rows
@@ -205,20 +205,18 @@ class TriangleMultiplicativeUpdate(nn.Module):
         if dap is None and prepared is None:  # [Note: triangle update in inference], also with autograd
             return self._lean(z, mask, chunk_size, accumulate_into)
         z_ln, a, b = prepared if prepared is not None else self.prepare(z, mask, chunk_size)
-        # Channels-first operands, permuted once for all chunks:
+        a, b = a.movedim(-1, -3), b.movedim(-1, -3)  # channels-first [*, c, I, J], dense (see prepare)
         # outgoing x_ij = sum_k a_ik b_jk; incoming x_ij = sum_k a_ki b_kj. Under DAP the operand
-        # needed whole is gathered while the local one is permuted.
+        # needed whole is gathered; BLAS reads the transposed one as it is.
         if self.outgoing:
-            pending = dap.gather_async(b, -3) if dap is not None else None
-            a_t = a.movedim(-1, -3).contiguous()
+            pending = dap.gather_async(b, -2) if dap is not None else None
             b = b if pending is None else pending.wait()
-            b_t = b.movedim(-1, -3).transpose(-1, -2).contiguous()
+            a_t, b_t = a, b.transpose(-1, -2)
         else:
-            pending = dap.gather_async(a, -2) if dap is not None else None
-            b_t = b.movedim(-1, -3).contiguous()
+            pending = dap.gather_async(a, -1) if dap is not None else None
             a = a if pending is None else pending.wait()
-            a_t = a.movedim(-1, -3).transpose(-1, -2).contiguous()
-        del a, b, pending, prepared  # [*, c, I, K] and [*, c, K, J] replace them
+            a_t, b_t = a.transpose(-1, -2), b
+        del a, b, pending, prepared
         fn = lambda a_c, z_c: self._combine(a_c, b_t, z_c)
         return chunk_apply(fn, [a_t, z_ln], [-2, -3], chunk_size, -3, accumulate_into)
 

@@ -221,10 +221,18 @@ class Dap:
         for (lo, n), handle in zip(bounds, handles):
             piece = handle.wait()
             parts = (piece, *prepare(piece, mask.narrow(sd + 1, lo, n)))
-            outs = outs or [p.new_empty(p.shape[:sd] + (local,) + p.shape[sd + 1 :]) for p in parts]
+            outs = outs or [_empty_in_layout(p, p.shape[:sd] + (local,) + p.shape[sd + 1 :]) for p in parts]
             for out, part in zip(outs, parts):
                 out.narrow(sd, lo, n).copy_(part)
         return outs[0], tuple(outs[1:])
+
+
+def _empty_in_layout(like: torch.Tensor, shape) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` whose axes lie in memory in the order of ``like``'s
+    strides (a channels-last view of channels-first storage stays so: no permuting copy)."""
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))  # outermost axis first
+    buf = like.new_empty([shape[d] for d in order])
+    return buf.permute([order.index(d) for d in range(like.dim())])
 
 
 def reduce_gradients(module: nn.Module, dap: Dap) -> None:
