@@ -24,9 +24,21 @@ __all__ = ["OuterProductMean"]
 # [S*e, J]), costs S*I*c*c_z*e + I*J*S*e*c_z: both terms shrink with the local I. Of the three
 # orders the cheapest is chosen from the shapes (ties: outer first, then b first); all are the
 # same sum, so they differ by float rounding only. b first is chunked along columns j, the other
-# two along rows i. Both contracted forms order W's columns so that the one permuting copy each needs (the
-# [S, J, c, c_z] or [S, I, e, c_z] intermediate regrouped for its GEMM) moves whole runs of c_z
-# channels: a permute that changes the innermost axis ran ~10x slower (29 ms for 16 MiB).
+# two along rows i. The contracted intermediate is produced by a GEMM batched over W's other
+# channel (c for bw, e for aw), so it comes out as [c, S, J, c_z] (or [e, S, I, c_z]) and is the
+# second GEMM's operand without a copy; only the small a (or b) is regrouped to match. Regrouping
+# the [S, J, c_z, c] intermediate instead cost a permuting copy that alone took 29 ms per call at
+# n_res 64 (16 MiB, innermost axis changed).
+
+
+def _shared_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x`` [*, N, k] times each of ``w`` [B, k, n] -> [*, B, N, n], as ``bmm`` of ``x`` expanded
+    over B: the same kernel with and without autograd (``torch.matmul``'s broadcasting picks its
+    path by ``requires_grad``, which [Note: checkpointing with the inference forward] cannot have)."""
+    lead, (n, k) = x.shape[:-2], x.shape[-2:]
+    outs = [torch.bmm(x_i.expand(w.shape[0], n, k), w) for x_i in x.reshape(-1, n, k)]
+    out = outs[0] if len(outs) == 1 else torch.stack(outs)
+    return out.view(*lead, *out.shape[-3:])
 
 
 class OuterProductMean(nn.Module):
@@ -47,24 +59,24 @@ class OuterProductMean(nn.Module):
 
     def _by_columns(self, a2: torch.Tensor, b_c: torch.Tensor, norm_c: torch.Tensor) -> torch.Tensor:
         """The same update with ``linear_out`` contracted into ``b`` first (see
-        [Note: outer product mean contraction order]); ``a2`` [*, I, S*c], ``b_c`` [*, S, J_c, e]."""
+        [Note: outer product mean contraction order]); ``a2`` [*, I, c*S], ``b_c`` [*, S, J_c, e]."""
         c_z, (n_seq, n_j, e) = self.linear_out.out_features, b_c.shape[-3:]
         c = a2.shape[-1] // n_seq
-        w = self.linear_out.weight.view(c_z, c, e).permute(2, 1, 0).reshape(e, c * c_z)  # [e, c*c_z]
-        bw = (b_c @ w).view(*b_c.shape[:-1], c, c_z)  # [*, S, J_c, c, c_z]
-        bw = bw.movedim(-3, -2).reshape(*bw.shape[:-4], n_seq * c, n_j * c_z)  # [*, S*c, J_c*c_z]
+        w = self.linear_out.weight.view(c_z, c, e).permute(1, 2, 0)  # [c, e, c_z]
+        bw = _shared_bmm(b_c.reshape(*b_c.shape[:-3], n_seq * n_j, e), w)  # [*, c, S*J_c, c_z]
+        bw = bw.reshape(*bw.shape[:-3], c * n_seq, n_j * c_z)  # [*, c*S, J_c*c_z], no copy
         out = (a2 @ bw).view(*a2.shape[:-1], n_j, c_z)  # [*, I, J_c, c_z]
         out = out + self.linear_out.bias
         return out / (self.eps + norm_c.unsqueeze(-1))
 
     def _by_rows(self, a_c: torch.Tensor, b2: torch.Tensor, norm_c: torch.Tensor) -> torch.Tensor:
         """The same update with ``linear_out`` contracted into ``a`` first (see [Note: outer product
-        mean contraction order]); ``a_c`` [*, S, I_c, c], ``b2`` [*, J, S*e] -> [*, I_c, J, c_z]."""
+        mean contraction order]); ``a_c`` [*, S, I_c, c], ``b2`` [*, J, e*S] -> [*, I_c, J, c_z]."""
         c_z, (n_seq, n_i, c) = self.linear_out.out_features, a_c.shape[-3:]
         n_j, e = b2.shape[-2], b2.shape[-1] // n_seq
-        w = self.linear_out.weight.view(c_z, c, e).permute(1, 2, 0).reshape(c, e * c_z)  # [c, e*c_z]
-        aw = (a_c @ w).view(*a_c.shape[:-1], e, c_z)  # [*, S, I_c, e, c_z]
-        aw = aw.movedim(-3, -2).reshape(*aw.shape[:-4], n_seq * e, n_i * c_z)  # [*, S*e, I_c*c_z]
+        w = self.linear_out.weight.view(c_z, c, e).permute(2, 1, 0)  # [e, c, c_z]
+        aw = _shared_bmm(a_c.reshape(*a_c.shape[:-3], n_seq * n_i, c), w)  # [*, e, S*I_c, c_z]
+        aw = aw.reshape(*aw.shape[:-3], e * n_seq, n_i * c_z)  # [*, e*S, I_c*c_z], no copy
         out = (b2 @ aw).view(*b2.shape[:-2], n_j, n_i, c_z).transpose(-2, -3).contiguous()  # [*, I_c, J, c_z]
         out = out + self.linear_out.bias
         return out / (self.eps + norm_c.unsqueeze(-1))
@@ -91,11 +103,11 @@ class OuterProductMean(nn.Module):
         norm = torch.einsum("...si,...sj->...ij", mask, mask_j)  # [*, I, J]
         order = self._order(a.shape[-3], a.shape[-2], b.shape[-2])
         if order == "b":
-            a2 = a.movedim(-3, -2).reshape(*a.shape[:-3], a.shape[-2], -1)  # [*, I, S*c]
+            a2 = a.permute(*range(a.dim() - 3), -2, -1, -3).reshape(*a.shape[:-3], a.shape[-2], -1)  # [*, I, c*S]
             fn = lambda b_c, n_c: self._by_columns(a2, b_c, n_c)
             return chunk_apply(fn, [b, norm], [-2, -1], chunk_size, -2, accumulate_into)  # chunks of columns j
         if order == "a":
-            b2 = b.movedim(-3, -2).reshape(*b.shape[:-3], b.shape[-2], -1)  # [*, J, S*e]
+            b2 = b.permute(*range(b.dim() - 3), -2, -1, -3).reshape(*b.shape[:-3], b.shape[-2], -1)  # [*, J, e*S]
             fn = lambda a_c, n_c: self._by_rows(a_c, b2, n_c)
         else:
             fn = lambda a_c, n_c: self._outer(a_c, b, n_c)
