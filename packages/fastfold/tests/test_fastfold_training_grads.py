@@ -94,3 +94,19 @@ def test_checkpointed_gradients_equal_plain_float32_bitwise(n_res, attention_pat
     names = ["m", "z"] + [n for n, _ in stack.named_parameters()]
     for name, g, w in zip(names, got, want):
         assert torch.equal(g, w), f"gradient of {name}: {(g - w).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("outgoing", [True, False])
+def test_batched_triangle_update_equal_with_and_without_autograd_bitwise(outgoing):
+    """With batch dims (the template stack's templates) the no-grad forward of a checkpointed block
+    and its recompute agree bit for bit: the channels-first projection is one explicit ``baddbmm``
+    in both modes (``torch.matmul``'s broadcasting path may depend on autograd; it did for the outer
+    product mean's batched GEMM)."""
+    from fastfold.model import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+
+    cls = TriangleMultiplicationOutgoing if outgoing else TriangleMultiplicationIncoming
+    mod = randomize_(cls(8, 5))
+    z, mask = rand(3, 7, 7, 8, seed=1, dtype=torch.float32), rand_mask(3, 7, 7, seed=2, dtype=torch.float32)
+    with torch.no_grad():
+        first = mod(z, mask)
+    assert torch.equal(first, mod(z.clone().requires_grad_(), mask))

@@ -48,11 +48,11 @@ def _linear_channels_first(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor)
     """``F.linear(x, w, bias)`` for ``x`` [*, I, J, c_in], computed as ``w @ x^T`` so the result is
     channels-first [*, c_out, I, J] and contiguous: each output channel block is a dense operand
     for the batched GEMMs and the gates, with no permuting copy."""
-    flat = x.reshape(*x.shape[:-3], -1, x.shape[-1])  # [*, I*J, c_in]
-    if flat.dim() == 2:
-        out = torch.addmm(bias.unsqueeze(-1), w, flat.transpose(-1, -2))
-    else:
-        out = torch.matmul(w, flat.transpose(-1, -2)) + bias.unsqueeze(-1)
+    flat = x.reshape(-1, x.shape[-3] * x.shape[-2], x.shape[-1])  # [B, I*J, c_in]
+    if flat.shape[0] == 1:
+        out = torch.addmm(bias.unsqueeze(-1), w, flat[0].transpose(-1, -2))
+    else:  # one explicit kernel in both modes (torch.matmul's broadcasting path may depend on autograd)
+        out = torch.baddbmm(bias.unsqueeze(-1), w.expand(flat.shape[0], *w.shape), flat.transpose(-1, -2))
     return out.view(*x.shape[:-3], w.shape[0], *x.shape[-3:-1])
 
 
