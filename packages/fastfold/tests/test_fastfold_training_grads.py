@@ -110,3 +110,23 @@ def test_batched_triangle_update_equal_with_and_without_autograd_bitwise(outgoin
     with torch.no_grad():
         first = mod(z, mask)
     assert torch.equal(first, mod(z.clone().requires_grad_(), mask))
+
+
+def test_checkpointed_unused_output_leaves_gradients_none():
+    """A loss on ``s`` alone: the last block's outer product mean and pair stack never reach it, so
+    their parameters keep ``grad is None`` with checkpointing as in a plain run (the checkpoint no
+    longer feeds a zero gradient for the unused ``z``), and every other gradient equals the plain
+    run's bit for bit."""
+    stack = randomize_(EvoformerStack(tiny_evo(msa_dropout=0.0, pair_dropout=0.0)).float()).train()
+    m, z = rand(3, 7, 12, seed=1, dtype=torch.float32), rand(7, 7, 8, seed=2, dtype=torch.float32)
+    grads = {}
+    for checkpoint in (True, False):
+        stack.zero_grad(set_to_none=True)
+        stack(m, z, checkpoint=checkpoint)[2].pow(2).sum().backward()
+        grads[checkpoint] = {n: p.grad for n, p in stack.named_parameters()}
+    unused = [n for n, g in grads[False].items() if g is None]
+    assert unused and all(n.startswith(("blocks.1.pair_stack.", "blocks.1.outer_product_mean.")) for n in unused)
+    for n, g in grads[True].items():
+        want = grads[False][n]
+        assert (g is None) == (want is None), n
+        assert want is None or torch.equal(g, want), n

@@ -107,19 +107,25 @@ class _InferenceForwardCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, m, z, msa_mask, pair_mask, *params):
         ctx.run = run
+        ctx.set_materialize_grads(False)  # an output the loss does not use stays None (see backward)
         ctx.save_for_backward(m, z, msa_mask, pair_mask)
         with torch.no_grad(), training_kernels():
             return run(m, z, msa_mask, pair_mask)
 
     @staticmethod
     def backward(ctx, grad_m, grad_z):
+        if grad_m is None and grad_z is None:  # neither output reaches the loss (same on every DAP rank)
+            return (None,) * (5 + len(ctx.run.params))
         m, z, msa_mask, pair_mask = ctx.saved_tensors
         m_in, z_in = (t.detach().requires_grad_(t.requires_grad) for t in (m, z))
         with torch.enable_grad(), training_kernels():
             out = ctx.run(m_in, z_in, msa_mask, pair_mask)
         params = [p for p in ctx.run.params if p.requires_grad]
         wrt = [t for t in (m_in, z_in) if t.requires_grad] + params
-        grads = iter(torch.autograd.grad(out, wrt, (grad_m, grad_z), allow_unused=True))
+        # only the outputs that received a gradient: a parameter that reaches the loss through
+        # neither keeps ``grad is None``, as in a plain run (not a zero gradient)
+        outs, grad_outs = zip(*[(o, g) for o, g in zip(out, (grad_m, grad_z)) if g is not None])
+        grads = iter(torch.autograd.grad(outs, wrt, grad_outs, allow_unused=True))
         g_m = next(grads) if m_in.requires_grad else None
         g_z = next(grads) if z_in.requires_grad else None
         by_param = {id(p): g for p, g in zip(params, grads)}
