@@ -132,7 +132,8 @@ def test_attention_core_masks():
     q, k, v = rand(3, 2, 5, 4, seed=1), rand(3, 2, 6, 4, seed=2), rand(3, 2, 6, 4, seed=3)
     pair = rand(1, 2, 5, 6, seed=4)
     masked = 1e9 * (rand_mask(3, 1, 1, 6, seed=5) - 1)
-    for biases in ([], [pair], [torch.zeros(3, 1, 1, 6)], [masked], [masked, pair], [torch.zeros(3, 1, 1, 6), pair]):
+    zero_keys, one_d = torch.zeros(3, 1, 1, 6), rand(6, seed=6)  # one_d: a 1-D bias over the keys
+    for biases in ([], [pair], [zero_keys], [masked], [masked, pair], [zero_keys, pair], [one_d]):
         ref = torch.softmax(q @ k.transpose(-1, -2) + sum(biases, torch.zeros(())), -1) @ v
         with torch.no_grad():
             torch.testing.assert_close(attention_core(q, k, v, biases), ref, **TOL)

@@ -167,7 +167,7 @@ class TriangleMultiplicativeUpdate(nn.Module):
         a_all, b_all, z_ln = self._operands(z, mask, chunk_size)
         x = self._product_into_a(a_all, b_all)  # [*, c, I, J]
         del a_all, b_all
-        if z_ln is not None and chunk_size is None:  # one block: LN(z) of every row is at hand
+        if z_ln is not None:  # one block covered every row: LN(z) is at hand
             return self._finish(x, z_ln, accumulate_into)
         fn = lambda x_c, z_c: self._finish(x_c, self.layer_norm_in(z_c))
         return chunk_apply(fn, [x, z], [-2, -3], chunk_size, -3, accumulate_into)

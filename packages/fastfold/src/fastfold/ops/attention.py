@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from fastfold.ops.softmax import check_broadcast, softmax_with_biases
+from fastfold.ops.softmax import check_broadcast
 
 __all__ = ["attention_core", "training_kernels", "EAGER_TRAINING_MAX_BYTES"]
 
@@ -67,7 +67,7 @@ def training_kernels() -> Iterator[None]:
 
 def _nonzero(biases: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The biases less the all-zero key masks (no masked key) that need no gradient."""
-    return [b for b in biases if b.requires_grad or not (b.shape[-2] == 1 and not bool(b.any()))]
+    return [b for b in biases if b.requires_grad or not ((b.dim() < 2 or b.shape[-2] == 1) and not bool(b.any()))]
 
 
 def _merged_mask(biases: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -77,7 +77,7 @@ def _merged_mask(biases: Sequence[torch.Tensor]) -> torch.Tensor | None:
     mask = kept[0]
     for b in kept[1:]:
         mask = mask + b  # [Note: fused attention in inference]: only with masked keys and a pair bias
-    return mask
+    return mask if mask.dim() >= 2 else mask.view(1, -1)  # the kernel wants a [..., Q, K] mask
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -122,13 +122,13 @@ def attention_core(
     logits_shape = (*q.shape[:-1], k.shape[-2])
     for i, b in enumerate(biases):
         check_broadcast(b.shape, logits_shape, f"biases[{i}]")
-    if q.dim() != 4 or not q.is_floating_point():
-        a = softmax_with_biases(q @ k.transpose(-1, -2), biases, inplace=True)  # [*, H, Q, K]
-        return a @ v
     training = torch.is_grad_enabled() or getattr(_state, "training", False)
-    if training and q.element_size() * q.shape[:-1].numel() * k.shape[-2] <= EAGER_TRAINING_MAX_BYTES:
-        a = softmax_with_biases(q @ k.transpose(-1, -2), _nonzero(biases), inplace=True)  # [Note: eager ...]
-        return a @ v
+    small = q.element_size() * q.shape[:-1].numel() * k.shape[-2] <= EAGER_TRAINING_MAX_BYTES
+    if q.dim() != 4 or not q.is_floating_point() or (training and small):  # [Note: eager attention in training]
+        logits = q @ k.transpose(-1, -2)  # [*, H, Q, K]; a fresh product, so the biases go in in place
+        for b in _nonzero(biases):
+            logits.add_(b)
+        return torch.softmax(logits, dim=-1) @ v
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *biases)):
         return _FusedAttention.apply(q, k, v, *biases)
     return _fused(q, k, v, biases)
