@@ -55,6 +55,23 @@ def test_aux_loss_is_weighted_sum_and_collected():
     assert model[0].router.gate.weight.grad.abs().sum() > 0
 
 
+def test_a_trained_layer_deep_copies_like_a_plain_module():
+    """An EMA or snapshot copy after a training forward: the copy's aux_loss is the value, detached
+    (torch refuses to deep-copy a tensor inside a graph); the original keeps its graph."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), MoE(MoEConfig(hidden=16, ffn_hidden=32, num_experts=4)))
+    model(torch.randn(10, 16))
+    twin = copy.deepcopy(model)
+    assert twin[1].aux_loss.grad_fn is None and twin[1].aux_loss.item() == model[1].aux_loss.item()
+    assert model[1].aux_loss.grad_fn is not None
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+    assert pickle.loads(pickle.dumps(model))[1].aux_loss.item() == model[1].aux_loss.item()
+
+
 @pytest.mark.parametrize("dtype,width", [(torch.float32, 16), (torch.float64, 16), (torch.float32, 6)])
 def test_grouped_mm_matches_segment_products(dtype, width):
     torch.manual_seed(0)

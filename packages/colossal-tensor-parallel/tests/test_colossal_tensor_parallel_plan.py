@@ -27,3 +27,21 @@ def test_plan_errors_name_the_problem():
         gpt_plan("4d")
     with pytest.raises(NotImplementedError, match="supported"):
         parallelize(model, "4d", None)
+
+
+def _convert_keeps_dtype():
+    import torch
+    import torch.distributed as dist
+
+    model = GPT(GPTConfig(n_layer=1)).to(torch.float64)
+    parallelize(model, "1d", dist.group.WORLD)
+    return sorted({str(p.dtype) for p in model.parameters()} | {p.device.type for p in model.parameters()})
+
+
+def test_converted_layers_keep_the_dense_models_dtype_and_device():
+    """The parallel layers allocate their shards as float32 CPU tensors: a float64 (or bf16, or
+    CUDA) model must come out of the conversion as it went in (on CUDA, an embedding left on the CPU
+    failed at the first forward)."""
+    from colossal.comm.testing import run_distributed
+
+    assert run_distributed(_convert_keeps_dtype, 1) == [["cpu", "torch.float64"]]

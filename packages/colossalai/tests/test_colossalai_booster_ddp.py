@@ -48,8 +48,32 @@ class _Tied(torch.nn.Module):
         self.inner = torch.nn.Module()
         self.inner.register_buffer("mask", self.mask)
 
+    def reset_parameters(self):
+        """The model's own initialiser of its buffer (a meta buffer keeps no values)."""
+        self.mask.fill_(1.0)
+
     def forward(self, x):
         return self.head(self.emb(x) * self.inner.mask)
+
+
+class _NoInit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("causal", torch.ones(3, 3).tril().bool())
+        self.register_buffer("scale", torch.ones(3))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.gain = torch.nn.Parameter(torch.ones(3))
+
+
+def test_meta_model_with_uninitialised_tensors_is_refused_by_name():
+    """Nothing re-creates a meta model's ``torch.ones`` buffers or bare Parameters: naming them
+    beats training on the garbage ``to_empty`` leaves (NaN here, any value on another run)."""
+    with torch.device("meta"):
+        model = _NoInit()
+    with pytest.raises(ValueError, match="gain, causal, scale, steps not initialised") as err:
+        Booster(plugin=TorchDDPPlugin()).boost(model)
+    assert "lin." not in str(err.value)
 
 
 def test_meta_model_keeps_its_ties():

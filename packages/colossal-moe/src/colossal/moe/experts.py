@@ -269,8 +269,12 @@ def _add_bias(h: torch.Tensor, b: torch.Tensor | None, counts: torch.Tensor) -> 
     return h if b is None else _SegmentBias.apply(h, b, counts)
 
 
-_ACTIVATIONS = {
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+def _gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h, approximate="tanh")
+
+
+_ACTIVATIONS = {  # named functions, not lambdas: a module holding one pickles (torch.save(model))
+    "gelu_tanh": _gelu_tanh,
     "gelu": F.gelu,
     "relu": F.relu,
     "silu": F.silu,

@@ -76,6 +76,15 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
 
+    def __getstate__(self) -> dict:
+        """The state that ``copy.deepcopy`` and pickling see, with :attr:`aux_loss` detached: the last
+        forward's graph stays with the original (torch refuses to deep-copy a tensor inside a graph,
+        which broke an EMA copy of a model after any training step)."""
+        state = self.__dict__.copy()
+        if state.get("aux_loss") is not None:
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
+
     @property
     def local_experts(self) -> range:
         """Global indices of the experts this rank holds."""

@@ -131,6 +131,14 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+def _like_dense(new: nn.Module, dense: nn.Module) -> None:
+    """Put ``new`` on ``dense``'s device and floating dtype (the parallel layers allocate their
+    shards on the CPU in float32; a CUDA or bf16 model must stay one)."""
+    ref = next(dense.parameters(), None)
+    if ref is not None and not ref.is_meta:
+        new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+
+
 def convert_model(
     model: nn.Module, plan: dict[str, Style | str], factories: dict[Style, Factory], head_shards: int, mode: str
 ) -> nn.Module:
@@ -159,6 +167,7 @@ def convert_model(
         if not isinstance(new, nn.Module):  # an in-place conversion (hooks, split own parameters)
             in_place.append((module, new))
             continue
+        _like_dense(new, module)
         weight = getattr(module, "weight", None)
         if style == Style.LM_HEAD and weight is not None and id(weight) in by_weight:
             new.weight = by_weight[id(weight)].weight  # tied embeddings stay tied

@@ -21,7 +21,11 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
 
     Tied tensors stay tied: ``to_empty`` gives every module its own new ``Parameter`` (a meta tensor
     cannot change device in place), so each name that shared a tensor before is pointed back at the
-    first name's new one (before ``reset_parameters``, which then initialises the shared tensor)."""
+    first name's new one (before ``reset_parameters``, which then initialises the shared tensor).
+
+    A meta tensor keeps no values, so a tensor that no ``reset_parameters()`` (nor a Hugging Face
+    model's ``_init_weights``) initialises would train on whatever memory ``to_empty`` handed it:
+    every tensor is marked first and a :class:`ValueError` names those still marked."""
     if any(p.is_meta for p in model.parameters()):
         ties = _tied_names(model)
         if hasattr(model, "materialize"):
@@ -30,11 +34,53 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
         else:
             model.to_empty(device=device)
             _retie(model, ties)
+            with torch.no_grad():
+                for t in itertools.chain(model.parameters(), model.buffers()):
+                    _fill_unset(t)
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
             _model_init(model)
+            unset = [n for n, t in _named_tensors(model) if _is_unset(t)]
+            if unset:
+                raise ValueError(
+                    f"meta-device model: {', '.join(unset)} not initialised by any reset_parameters() or "
+                    "the model's _init_weights (a meta tensor keeps no values: a buffer such as "
+                    "torch.ones(n) built under torch.device('meta') is lost); give the model a "
+                    "materialize(device) method, give those modules reset_parameters(), or build the model "
+                    "on a real device"
+                )
     return model.to(device)
+
+
+def _named_tensors(model: nn.Module):
+    return itertools.chain(model.named_parameters(), model.named_buffers())
+
+
+def _fill_unset(t: torch.Tensor) -> None:
+    """Mark ``t`` (fresh from ``to_empty``) as not initialised: NaN for floating point, the dtype's
+    minimum for integers, byte 0xFF (no valid bool) for bool; :func:`_is_unset` finds what stayed."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.view(torch.uint8).fill_(255)
+    elif torch.iinfo(t.dtype).min < 0:  # unsigned integers have no unlikely value: left as they are
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _is_unset(t: torch.Tensor) -> bool:
+    """Whether any element of ``t`` still holds :func:`_fill_unset`'s mark."""
+    if (
+        t.numel() == 0
+        or not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        and torch.iinfo(t.dtype).min == 0
+    ):
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.isnan().any())
+    if t.dtype == torch.bool:
+        return bool((t.view(torch.uint8) == 255).any())
+    return bool((t == torch.iinfo(t.dtype).min).any())
 
 
 def _model_init(model: nn.Module) -> bool:

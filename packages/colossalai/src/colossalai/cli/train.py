@@ -341,8 +341,11 @@ def _headline(args, booster: Booster, rows: dict[str, str], meters: Meters) -> s
 
 def train(args: argparse.Namespace) -> dict:
     """Run ``colossalai train`` in this process (one rank of the job); returns the summary figures."""
+    import torch.distributed as dist
+
     from colossal.comm import launch
 
+    owned = not dist.is_initialized()  # a caller's own process group stays up
     info = launch()
     t0 = time.perf_counter()
     booster, model, optim, loader, sched, state, seq_len, tokenizer, bytes_per_token = _setup(args)
@@ -393,4 +396,10 @@ def train(args: argparse.Namespace) -> dict:
         if sample:
             console.print("[bold]sample:[/bold]")
             console.print(sample, markup=False, highlight=False, soft_wrap=True)  # code: no line breaks added
+    if owned:
+        # Meet once more, then tear the group down: a rank whose interpreter exits while a peer
+        # still prints (rank 0's summary) killed gloo's threads mid-connection ("terminate called
+        # without an active exception", SIGABRT, a failed job after a finished run).
+        dist.barrier()
+        dist.destroy_process_group()
     return {**rows, "first_loss": first, "last_loss": last, "headline": line}
