@@ -76,3 +76,4 @@ def test_reading_a_released_chunk_in_backward_raises_instead_of_crashing(monkeyp
     monkeypatch.setattr(Chunk, "in_use", property(lambda c: any(i.state is TensorState.COMPUTE for i in c.tensors)))
     with pytest.raises(RuntimeError, match="not on the device"):
         _train(False, 10_000_000, prefetch=0, steps=1)
+    assert torch._C._len_torch_dispatch_stack() == 0  # raised inside backward: the warm-up tracker is popped

@@ -122,6 +122,7 @@ no gradient in the chunks goes native (an earlier non-native pass of the same st
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from functools import partial
@@ -144,6 +145,22 @@ from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
 from colossal.gemini.warmup import finish_warmup
 
 __all__ = ["GeminiDDP"]
+
+
+def _untracks_on_error(method):
+    """Run a hook of :class:`GeminiDDP`; when it raises, pop the warm-up tracker first
+    (:meth:`GeminiDDP._stop_tracking`): an error in backward surfaces from autograd, where nothing
+    of ours would run again to pop it."""
+
+    @functools.wraps(method)
+    def hook(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self._stop_tracking()
+            raise
+
+    return hook
 
 
 class GeminiDDP(nn.Module):
@@ -325,11 +342,36 @@ class GeminiDDP(nn.Module):
             return self._mark_backward_start(self.module(*args, **kwargs))
         self._leave_native()
         self._attach_module_hooks()
+        if self._tracking and self.tracker.passthrough:  # the last iteration failed in backward
+            self._stop_tracking()
         if self.warmup and torch.is_grad_enabled() and not self._tracking:
             self.tracker.__enter__()
             self._tracking = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self._mark_backward_start(self.module(*args, **kwargs))
+            try:
+                return self._mark_backward_start(self.module(*args, **kwargs))
+            except BaseException:
+                self._stop_tracking()
+                raise
+
+    def _stop_tracking(self) -> None:
+        """Pop the warm-up tracker (a dispatch mode that sees every operator) after an exception: left
+        pushed, it slowed every later torch call of the process 100x and kept this model alive. The
+        warm-up starts again at the next forward.
+
+        Inside backward the pop would not last (the autograd engine restores the caller's dispatch
+        modes when it unwinds), so there the tracker only stops tracking; ``GeminiOptimizer.backward``
+        (the booster's backward) pops it once the error has left the engine, and so does the next
+        forward of this model."""
+        if not self._tracking:
+            return
+        if torch._C._current_graph_task_id() != -1:
+            self.tracker.passthrough = True
+            return
+        self.tracker.__exit__(None, None, None)
+        self._tracking = False
+        self.trace = Trace()
+        self.tracker = NonModelTracker(self._is_model_storage)
 
     def _native_ok(self) -> bool:
         """Whether this (resident) iteration can leave gradients in ``param.grad`` (``[Note: native gradients]``)."""
@@ -381,6 +423,7 @@ class GeminiDDP(nn.Module):
                     t.register_hook(self._output_grad)
         return output
 
+    @_untracks_on_error
     def _output_grad(self, grad: torch.Tensor) -> None:
         if not self._in_backward:
             self._enter_backward()
@@ -389,8 +432,8 @@ class GeminiDDP(nn.Module):
         chunk = self._storage_chunk.get(t.untyped_storage()._cdata)
         return t if chunk is None else _Saved(t, chunk)
 
-    @staticmethod
-    def _unpack(packed):
+    @_untracks_on_error
+    def _unpack(self, packed):
         if type(packed) is not _Saved:
             return packed
         t, chunk = packed.tensor, packed.chunk
@@ -484,6 +527,7 @@ class GeminiDDP(nn.Module):
         same = [j for j, op in enumerate(ops) if op.label == label and op.chunk_ids == ids]
         return max(same, key=lambda j: ops[j].non_model_bytes) if same else len(ops)  # unknown: the peak
 
+    @_untracks_on_error
     def _begin_op(self, label: str, chunks: list[Chunk]) -> None:
         with self.tracker.suspended(), events.label("placement"):
             self._op_label = label
@@ -549,6 +593,7 @@ class GeminiDDP(nn.Module):
             )
 
     # -- backward -------------------------------------------------------------------------------------
+    @_untracks_on_error
     def _pre_backward(self, module: nn.Module, grad: torch.Tensor) -> None:
         if self._recomputing:
             self._unpin_recompute()
@@ -577,6 +622,7 @@ class GeminiDDP(nn.Module):
                 chunk.transition(info, TensorState.HOLD_AFTER_BWD)
         self._bwd_infos = []
 
+    @_untracks_on_error
     def _grad_ready(self, param: nn.Parameter) -> None:
         chunk, info = self.manager.chunk_of[param]
         if not self._in_backward:  # the resident fast path has no pre-backward hooks

@@ -146,7 +146,11 @@ class GeminiOptimizer:
     # -- training API -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with loss scaling."""
-        self.scaler.scale_loss(loss).backward()
+        try:
+            self.scaler.scale_loss(loss).backward()
+        except BaseException:
+            self.model._stop_tracking()  # outside the engine now: see GeminiDDP._stop_tracking
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""

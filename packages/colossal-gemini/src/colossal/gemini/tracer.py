@@ -83,10 +83,13 @@ class NonModelTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._suspended = 0
+        self.passthrough = False
+        """Track nothing more: the iteration was abandoned inside backward, where the mode cannot be
+        popped (``GeminiDDP._stop_tracking``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self._suspended:
+        if not self._suspended and not self.passthrough:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     self._track(t)
