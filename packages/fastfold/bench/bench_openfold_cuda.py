@@ -13,6 +13,7 @@ two Python implementations on the same torch, not OpenFold's hand-written kernel
 
     OPENFOLD_PATH=/path/to/openfold python packages/fastfold/bench/bench_openfold_cuda.py
     OPENFOLD_PATH=... python packages/fastfold/bench/bench_openfold_cuda.py --n-res 256 512 1024 --chunk-size 64
+    OPENFOLD_PATH=... python packages/fastfold/bench/bench_openfold_cuda.py --profile 128    # host vs kernel time
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def _args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per side (fastest median kept)")
     p.add_argument("--train-n-res", type=int, nargs="*", default=[128, 256])
     p.add_argument("--check-n-res", type=int, default=64, help="n_res of the output/gradient equality check")
+    p.add_argument(
+        "--profile", type=int, default=None, metavar="N_RES", help="only profile 2 training steps of each at N_RES"
+    )
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script (no memory figures)")
     return p.parse_args(argv)
 
@@ -105,6 +109,41 @@ def _alternating(calls, a, device):
     return res
 
 
+def _profile(models, n_res, a, device):
+    """Kernels per step, their device time and the host's CPU time for 2 training steps of each
+    side (after 3 unprofiled ones), from ``torch.profiler``."""
+    import bench_openfold as b
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = [t.to(device) for t in b._inputs(a.n_seq, n_res)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for impl, model in models:
+        model.train()
+
+        def step(impl=impl, model=model):
+            model.zero_grad(set_to_none=True)
+            _train_loss(impl, model, *inputs).backward()
+
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        host = sum(e.self_cpu_time_total for e in events) / 2e3
+        device_ms = sum(e.self_device_time_total for e in kernels) / 2e3
+        print(
+            f"{impl} training step n_res {n_res}: {sum(e.count for e in kernels) // 2} kernels, "
+            f"kernel time {device_ms:.1f} ms, host CPU {host:.1f} ms (per step, under the profiler)"
+        )
+
+
 def _rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
@@ -141,6 +180,9 @@ def main(argv=None):
     ff = b._fastfold(a.blocks).eval()
     of = b._openfold(ff).eval()
     ff, of = ff.to(dev), of.to(dev)
+    if a.profile:
+        _profile((("fastfold", ff), ("openfold", of)), a.profile, a, dev)
+        return
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, fp32 (TF32 off), {a.blocks} blocks")
     report = {"device": name, "torch": torch.__version__, "rows": []}
