@@ -204,8 +204,7 @@ class GeminiDDP(nn.Module):
         self.manager.materialise(self.config.param_init_fn)
         if self.manager.disk is not None:  # per-step disk counters start after the placement writes
             self._disk_last = self.manager.disk.counters()
-        self.trace = Trace()
-        self.tracker = NonModelTracker(self._is_model_storage)
+        self._fresh_trace()
         self._storage_chunk = {c.payload.untyped_storage()._cdata: c for c in self.manager.chunks}
         self._model_keys = set(self._storage_chunk)
         self.policy = WarmupPolicy(self.manager, self._reserve)
@@ -370,6 +369,10 @@ class GeminiDDP(nn.Module):
             return
         self.tracker.__exit__(None, None, None)
         self._tracking = False
+        self._fresh_trace()
+
+    def _fresh_trace(self) -> None:
+        """Trace the next iteration afresh (a skipped or abandoned warm-up)."""
         self.trace = Trace()
         self.tracker = NonModelTracker(self._is_model_storage)
 
@@ -733,8 +736,7 @@ class GeminiDDP(nn.Module):
                 finish_warmup(self, optimizer_blocks)
                 self.plan_fast_path()
             else:  # skipped step (overflow): trace the next iteration afresh
-                self.trace = Trace()
-                self.tracker = NonModelTracker(self._is_model_storage)
+                self._fresh_trace()
         m = self.manager
         stats = GeminiStats(
             step=len(self.stats_history),

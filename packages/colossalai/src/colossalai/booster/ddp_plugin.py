@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -36,12 +37,14 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
             _retie(model, ties)
             with torch.no_grad():
                 for t in itertools.chain(model.parameters(), model.buffers()):
-                    _fill_unset(t)
+                    if (mark := _unset_mark(t)) is not None:
+                        _marked(t).fill_(mark)
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
             _model_init(model)
-            unset = [n for n, t in _named_tensors(model) if _is_unset(t)]
+            named = itertools.chain(model.named_parameters(), model.named_buffers())
+            unset = [n for n, t in named if _is_unset(t)]
             if unset:
                 raise ValueError(
                     f"meta-device model: {', '.join(unset)} not initialised by any reset_parameters() or "
@@ -53,34 +56,29 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def _named_tensors(model: nn.Module):
-    return itertools.chain(model.named_parameters(), model.named_buffers())
-
-
-def _fill_unset(t: torch.Tensor) -> None:
-    """Mark ``t`` (fresh from ``to_empty``) as not initialised: NaN for floating point, the dtype's
-    minimum for integers, byte 0xFF (no valid bool) for bool; :func:`_is_unset` finds what stayed."""
+def _unset_mark(t: torch.Tensor) -> float | None:
+    """The value that marks ``t`` (fresh from ``to_empty``) as not initialised, in :func:`_marked`'s
+    view of it: NaN for floating point, the minimum of signed integers, byte 0xFF (no valid bool) for
+    bool; ``None`` for unsigned integers, which have no unlikely value and stay unchecked."""
     if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.view(torch.uint8).fill_(255)
-    elif torch.iinfo(t.dtype).min < 0:  # unsigned integers have no unlikely value: left as they are
-        t.fill_(torch.iinfo(t.dtype).min)
+        return math.nan
+    if t.dtype == torch.bool:
+        return 255
+    low = torch.iinfo(t.dtype).min
+    return low if low < 0 else None
+
+
+def _marked(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 def _is_unset(t: torch.Tensor) -> bool:
-    """Whether any element of ``t`` still holds :func:`_fill_unset`'s mark."""
-    if (
-        t.numel() == 0
-        or not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-        and torch.iinfo(t.dtype).min == 0
-    ):
+    """Whether any element of ``t`` still holds its :func:`_unset_mark`."""
+    mark = _unset_mark(t)
+    if mark is None or t.numel() == 0:
         return False
-    if t.is_floating_point() or t.is_complex():
-        return bool(t.isnan().any())
-    if t.dtype == torch.bool:
-        return bool((t.view(torch.uint8) == 255).any())
-    return bool((t == torch.iinfo(t.dtype).min).any())
+    view = _marked(t)
+    return bool((view.isnan() if math.isnan(mark) else view == mark).any())
 
 
 def _model_init(model: nn.Module) -> bool:
