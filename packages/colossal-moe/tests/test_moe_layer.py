@@ -145,3 +145,35 @@ def test_mlp_expert_blocks_match_reference(monkeypatch, block_bytes, dtype, acti
         assert_close(grads[n], p.grad, f"grad {n}")
     for n in ("w_in", "b_in", "w_out", "b_out"):
         assert (grads[f"experts.{n}"][4] == 0).all()
+
+
+@pytest.mark.parametrize("cast", ["to_bf16", "half", "bfloat16", "to_device_dtype"])
+def test_low_precision_cast_keeps_router_float32(cast):
+    """``.to(bf16)``, ``.half()``, ``.bfloat16()`` cast the experts but leave the gate float32 and
+    unrounded (as Switch does); routing of low-precision inputs equals the fp32 router's on the same
+    inputs, and the gate's gradient is float32."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden=32, ffn_hidden=64, num_experts=8, top_k=2, capacity_factor=None)
+    moe = MoE(cfg)
+    gate = moe.router.gate.weight.detach().clone()
+    low = {
+        "to_bf16": lambda m: m.to(torch.bfloat16),
+        "half": lambda m: m.half(),
+        "bfloat16": lambda m: m.bfloat16(),
+        "to_device_dtype": lambda m: m.to("cpu", torch.bfloat16),
+    }[cast](moe)
+    dtype = torch.float16 if cast == "half" else torch.bfloat16
+    assert low.router.gate.weight.dtype == torch.float32 and torch.equal(low.router.gate.weight, gate)
+    assert low.experts.w_in.dtype == dtype
+    x = torch.randn(200, 32).to(dtype)
+    routing = low.router(x)
+    logits = x.float() @ gate.t()  # the fp32 reference router on the same (rounded) inputs
+    weight, expert = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
+    assert torch.equal(routing.expert, expert)
+    torch.testing.assert_close(routing.weight, weight / weight.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+    y = low(x.requires_grad_())
+    (y.float().square().mean() + low.aux_loss).backward()
+    assert y.dtype == dtype and low.router.gate.weight.grad.dtype == torch.float32
+    assert low.router.gate.weight.grad.abs().sum() > 0
+    low.float()  # widening applies as given
+    assert low.experts.w_in.dtype == torch.float32 and low.to(torch.float64).router.gate.weight.dtype == torch.float64

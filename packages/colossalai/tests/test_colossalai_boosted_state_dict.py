@@ -1,5 +1,6 @@
 """A boosted model's ``state_dict()`` is the model's state in a plain process, also under Gemini,
-whose parameters live in chunks outside the module tree (it returned ``{}`` before)."""
+whose parameters live in chunks outside the module tree (it returned ``{}`` before), under the
+user's own names under every plugin (DDP's read ``module.module.`` before)."""
 
 import copy
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from colossalai import Booster, GeminiPlugin
+from colossal.comm.testing import run_distributed
+from colossalai import Booster, GeminiPlugin, TorchDDPPlugin, TorchFSDPPlugin, ZeroPlugin
 
 
 class _Net(nn.Module):  # a user's own names, a tied weight, an unused parameter, a BatchNorm buffer
@@ -55,3 +57,44 @@ def test_gemini_refuses_an_optimizer_over_another_models_parameters():
     ref = _Net()
     with pytest.raises(ValueError, match=r"optimizer holds 6 parameter\(s\) that are not the model's"):
         Booster(plugin=GeminiPlugin()).boost(copy.deepcopy(ref), torch.optim.Adam(ref.parameters()))
+
+
+def _boosted_names(plugin_names=("ddp", "zero", "fsdp")):
+    """Per plugin: the boosted model's state-dict keys and parameter names against the plain
+    model's, and whether its state loads strictly into a plain model and back (also through a
+    parent module that holds the boosted model)."""
+    plugins = {"ddp": TorchDDPPlugin, "zero": lambda: ZeroPlugin(stage=2), "fsdp": TorchFSDPPlugin}
+    out = {}
+    for name in plugin_names:
+        torch.manual_seed(0)
+        ref = _Net()
+        booster = Booster(plugin=plugins[name]())
+        mine = copy.deepcopy(ref)
+        model, opt, *_ = booster.boost(mine, torch.optim.Adam(mine.parameters(), 1e-2))
+        _train(model, opt, booster.backward, steps=1)
+        state = model.state_dict()
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+        plain = _Net()
+        plain.load_state_dict(full)  # strict
+        model.load_state_dict(state)  # and back, strict, the user's names
+        outer = nn.ModuleDict({"net": model})
+        outer.load_state_dict(outer.state_dict())  # nested: the parent walks the wrappers' tree
+        with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "unused"'):
+            model.load_state_dict({k: v for k, v in state.items() if k != "unused"})
+        out[name] = (
+            sorted(state) == sorted(ref.state_dict()),
+            [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()],
+            [n for n, _ in model.named_buffers()] == [n for n, _ in ref.named_buffers()],
+            all(torch.equal(full[k].cpu(), v) for k, v in plain.state_dict().items()),
+        )
+    return out
+
+
+def test_ddp_boosted_state_dict_has_the_users_keys_one_rank():
+    assert _boosted_names(("ddp",)) == {"ddp": (True, True, True, True)}
+
+
+def test_boosted_state_dict_has_the_users_keys_two_ranks():
+    """DDP (``module.module.`` before), ZeRO and FSDP on 2 gloo ranks."""
+    for got in run_distributed(_boosted_names, 2, timeout=180):
+        assert got == {name: (True, True, True, True) for name in ("ddp", "zero", "fsdp")}

@@ -1,5 +1,13 @@
 """Peak memory of the current process: host RSS high-water mark (resettable on Linux) and the
-CUDA allocator's peak when a GPU is in use."""
+CUDA allocator's peak on the device a model lives on.
+
+[Note: no reset of a caller's CUDA peak]
+``torch.cuda.reset_peak_memory_stats`` cannot be undone (torch has no way to set a peak back), so a
+library call that resets it destroys the high-water mark its caller is measuring. Only
+:func:`reset_peak_memory`, called explicitly, resets it; :func:`device_peak_during` measures a call
+without resetting: the allocator's peak after the call is the call's own peak exactly when the call
+raised it above the peak before the call; otherwise the call's peak is only known to be at most the
+earlier peak, and ``None`` says so rather than reporting a number that is not the call's."""
 
 from __future__ import annotations
 
@@ -8,7 +16,15 @@ import sys
 
 import torch
 
-__all__ = ["reset_peak_memory", "peak_rss_bytes", "current_rss_bytes", "peak_device_bytes"]
+__all__ = [
+    "reset_peak_memory",
+    "reset_peak_rss",
+    "peak_rss_bytes",
+    "current_rss_bytes",
+    "peak_device_bytes",
+    "device_of",
+    "device_peak_during",
+]
 
 
 def _status_kb(field: str) -> int | None:
@@ -22,11 +38,51 @@ def _status_kb(field: str) -> int | None:
     return None
 
 
-def reset_peak_memory() -> bool:
-    """Reset the RSS high-water mark to the current RSS (Linux ``clear_refs``) and the CUDA peak;
-    ``False`` when the host mark cannot be reset (then :func:`peak_rss_bytes` is the process peak)."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+def device_of(where: torch.nn.Module | torch.Tensor | torch.device | str | None = None) -> torch.device:
+    """The device of ``where``: a module's first parameter (else first buffer; CPU for a module
+    without tensors), a tensor's device, a device itself; ``None`` is the current CUDA device when
+    CUDA is available, else the CPU."""
+    if where is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(where, torch.nn.Module):
+        t = next(iter(where.parameters()), None)
+        if t is None:
+            t = next(iter(where.buffers()), None)
+        return t.device if t is not None else torch.device("cpu")
+    if isinstance(where, torch.Tensor):
+        return where.device
+    if isinstance(where, (torch.device, str)):
+        return torch.device(where)
+    raise TypeError(f"expected a module, tensor, device or None, got {type(where).__name__}")
+
+
+def _cuda_index(where) -> int | None:
+    """The CUDA device index of ``where`` (see :func:`device_of`), ``None`` off CUDA."""
+    device = device_of(where)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the host RSS high-water mark to the current RSS (Linux ``clear_refs``); ``False`` when
+    it cannot be reset (then :func:`peak_rss_bytes` is the process peak). CUDA is left alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def reset_peak_memory(where=None) -> bool:
+    """Reset the RSS high-water mark (:func:`reset_peak_rss`) and the CUDA peak of the device of
+    ``where`` (a module, tensor or device; see :func:`device_of`); ``False`` when the host mark
+    cannot be reset. Destroys any peak a caller is measuring on that device: library code measures
+    with :func:`device_peak_during` instead."""
+    index = _cuda_index(where)
+    if index is not None:
+        torch.cuda.reset_peak_memory_stats(index)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -49,6 +105,34 @@ def current_rss_bytes() -> int:
     return (_status_kb("VmRSS") or 0) * 1024
 
 
-def peak_device_bytes() -> int:
-    """CUDA allocator peak in bytes (0 without CUDA)."""
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+def peak_device_bytes(where=None) -> int:
+    """CUDA allocator peak in bytes on the device of ``where`` (a model: the device of its
+    parameters; a tensor or device; see :func:`device_of`), since the process started or the last
+    reset of that device's peak; 0 off CUDA."""
+    index = _cuda_index(where)
+    return torch.cuda.max_memory_allocated(index) if index is not None else 0
+
+
+class device_peak_during:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Measure the CUDA allocator peak of a block on the device of ``where`` without resetting
+    anyone's peak (see [Note: no reset of a caller's CUDA peak]).
+
+    After the block, :attr:`peak_bytes` is the peak reached during the block when it raised the
+    device's high-water mark, else ``None`` (the block's peak is then at most :attr:`prior_peak_bytes`,
+    the mark before it, and cannot be told apart without a reset); 0 off CUDA.
+    """
+
+    def __init__(self, where=None) -> None:
+        self.index = _cuda_index(where)
+        self.prior_peak_bytes = 0
+        self.peak_bytes: int | None = 0
+
+    def __enter__(self) -> device_peak_during:
+        if self.index is not None:
+            self.prior_peak_bytes = torch.cuda.max_memory_allocated(self.index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.index is not None:
+            after = torch.cuda.max_memory_allocated(self.index)
+            self.peak_bytes = after if after > self.prior_peak_bytes else None

@@ -53,7 +53,7 @@ def _rank_train(spec, steps: int):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     loss_fn = lambda m, z, s: m.pow(2).mean() + z.pow(2).mean() + s.pow(2).mean()
     train_step(model, feats, opt, loss_fn, dap=dap)  # warm-up
-    reset_peak_memory()
+    reset_peak_memory(model)
     base, start, cpu_start = current_rss_bytes(), time.perf_counter(), time.process_time()
     for _ in range(steps):
         train_step(model, feats, opt, loss_fn, dap=dap)
@@ -65,7 +65,7 @@ def _rank_train(spec, steps: int):
         seconds=seconds,
         peak_rss_bytes=peak,
         activation_bytes=max(peak - base, 0),
-        peak_device_bytes=peak_device_bytes(),
+        peak_device_bytes=peak_device_bytes(model),
         cpu_seconds=cpu,
     )
 

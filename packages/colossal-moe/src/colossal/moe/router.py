@@ -89,10 +89,19 @@ def _keep_within_capacity(expert: torch.Tensor, num_experts: int, cap: int) -> t
     return (position < cap).view(k, n).t()
 
 
+def _narrows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after`` is ``before`` cast from float32 (or wider) to a narrower floating dtype."""
+    if not (before.is_floating_point() and after.is_floating_point()):
+        return False
+    return torch.finfo(before.dtype).bits >= 32 and torch.finfo(after.dtype).bits < 32
+
+
 class TopKRouter(nn.Module):
     """A linear gate ``C -> E`` (no bias) with softmax, top-k choice and capacity.
 
-    Computed in float32 whatever the input dtype (router precision matters: Switch, section 2.4).
+    Computed in float32 whatever the input dtype (router precision matters: Switch, section 2.4),
+    and the gate stays float32 when the model is cast to a lower precision (see
+    ``[Note: the router stays float32]``).
     """
 
     def __init__(self, config: MoEConfig, device: torch.device | str | None = None) -> None:
@@ -124,3 +133,22 @@ class TopKRouter(nn.Module):
             load_balancing_loss=load_balancing_loss(probs, expert),
             z_loss=router_z_loss(logits),
         )
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` with the gate kept out of lower precisions.
+
+        [Note: the router stays float32]
+        Switch Transformers (section 2.4) keeps the router in float32 while the rest of the model
+        runs in bfloat16: rounding the gate weights or logits changes which expert a token picks.
+        ``model.to(torch.bfloat16)``, ``.half()`` and ``.bfloat16()`` all reach every module through
+        ``_apply(fn)``; here ``fn`` is wrapped so that a tensor it would turn from float32 (or
+        wider) into a narrower floating dtype is instead moved, unrounded, to the device ``fn``
+        chose (device moves, ``to_empty`` and casts to a wider dtype apply as given). Parameters,
+        their gradients and buffers are all covered; ``forward`` casts the input to float32.
+        """
+
+        def keep_wide(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return t.to(device=out.device) if _narrows(t, out) else out
+
+        return super()._apply(keep_wide, recurse=recurse)

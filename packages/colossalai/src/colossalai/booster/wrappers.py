@@ -17,6 +17,14 @@ class BoostedModel(nn.Module):
     """Wraps the plugin's model (e.g. a ``DistributedDataParallel``); forward runs under autocast.
 
     ``unwrap()`` gives back the user's original module.
+
+    [Note: a boosted model's names]
+    The module tree nests the user's module under the wrappers (``module.`` for this wrapper,
+    another ``module.`` for DDP), so torch's own ``state_dict`` would read ``module.module.fc.weight``
+    where plain PyTorch gives ``fc.weight``. ``state_dict``, ``load_state_dict``,
+    ``named_parameters`` and ``named_buffers`` therefore speak the user's names, as the checkpoint
+    files of ``Booster.save_model`` do; ``named_modules`` (and so ``apply``, ``to``) still walks
+    the real tree.
     """
 
     def __init__(self, module: nn.Module, original: nn.Module, precision: Precision, device: torch.device) -> None:
@@ -26,6 +34,7 @@ class BoostedModel(nn.Module):
         self.__dict__["_original"] = original
         self.precision = precision
         self.device = device
+        self._register_load_state_dict_pre_hook(self._user_keys_to_tree)
 
     def unwrap(self) -> nn.Module:
         """The user's module, without plugin wrappers."""
@@ -37,18 +46,45 @@ class BoostedModel(nn.Module):
         return type(self.module).state_dict is not nn.Module.state_dict
 
     def state_dict(self, *args, **kwargs):
-        """The model's state dict: the engine's own (full, under the user's names; collective, call
-        on every rank) where it keeps parameters outside the module tree, as Gemini does; else
-        torch's, under this wrapper's names."""
+        """The model's state dict under the user's own names (what the unboosted model gives, loadable
+        into it with ``strict=True``; see ``[Note: a boosted model's names]``): the engine's own (full;
+        collective, call on every rank) where it keeps parameters outside the module tree, as Gemini
+        does; else the user's module's, whose tensors the plugin's wrapper (DDP) shares."""
         if self._engine_owns_state():
             return self.module.state_dict(*args, **kwargs)
-        return super().state_dict(*args, **kwargs)
+        return self._original.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load what :meth:`state_dict` returns, strict like ``torch.nn.Module.load_state_dict``."""
+        """Load what :meth:`state_dict` returns (the user's names), strict like
+        ``torch.nn.Module.load_state_dict``; mismatches are reported under the user's names."""
         if self._engine_owns_state():
             return self.module.load_state_dict(state_dict, strict=strict)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        return self._original.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The user's module's parameters under its own names (``parameters()`` follows); the engine's
+        placeholders where it keeps parameters outside the module tree."""
+        if self._engine_owns_state():
+            return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._original.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The user's module's buffers under its own names (``buffers()`` follows)."""
+        if self._engine_owns_state():
+            return super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._original.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def _user_keys_to_tree(self, state_dict, prefix, *_args) -> None:
+        """Load pre-hook for a boosted model nested in a parent module: the parent's
+        ``load_state_dict`` walks the module tree, where the user's names sit under the wrappers'
+        (``module.module.`` for DDP); rename the user's keys accordingly."""
+        if self._engine_owns_state():
+            return
+        inner = next(name for name, m in super().named_modules() if m is self._original)
+        if not inner:
+            return
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(f"{prefix}{inner}.")]:
+            state_dict[f"{prefix}{inner}.{key[len(prefix) :]}"] = state_dict.pop(key)
 
     def forward(self, *args, **kwargs):
         """Forward of the wrapped module, under autocast when the precision is not fp32."""
