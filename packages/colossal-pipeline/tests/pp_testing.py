@@ -85,15 +85,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def reference(model: nn.Module, seeds: list[int]) -> list[tuple[float, dict[str, torch.Tensor]]]:
-    """Single-process loss and gradients (by every name, tied ones under each) of each batch."""
-    out = []
+def reference(
+    model: nn.Module, seeds: list[int], batch_fn=None, loss_fn=None
+) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Single-process loss and gradients (by every name, tied ones under each) of each batch
+    (``batch_fn(seed)``, default :func:`batch`; ``loss_fn``, default :func:`lm_loss`)."""
+    batch_fn, loss_fn, out = batch_fn or batch, loss_fn or lm_loss, []
     for s in seeds:
         model.zero_grad(set_to_none=True)
-        idx, tgt = batch(s)
-        loss = lm_loss(model(idx), tgt)
+        idx, tgt = batch_fn(s)
+        loss = loss_fn(model(idx), tgt)
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        grads = {
+            n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
+        }
         out.append((loss.item(), grads))
     return out
 

@@ -142,3 +142,79 @@ def test_pipeline_x_sequence_refuses_an_indivisible_sequence_on_every_rank():
 def test_pipeline_refuses_bad_layouts():
     with pytest.raises(ValueError, match="pp_schedule must be one of"):
         HybridParallelPlugin(pp_size=2, pp_schedule="dualpipe")
+    for bad in (0, -1, True, 2.0):  # refused like PipelineConfig's, before any process group exists
+        with pytest.raises(ValueError, match=rf"num_microbatches must be a positive int, got {bad!r}"):
+            HybridParallelPlugin(pp_size=2, num_microbatches=bad)
+    assert HybridParallelPlugin(pp_size=2).num_microbatches == 2  # None: one per stage
+
+
+class _Masked(torch.nn.Linear):
+    def __init__(self, n):
+        super().__init__(n, n)
+        self.register_buffer("mask", (torch.arange(n * n).reshape(n, n) % 3 != 0).float())
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * self.mask, self.bias)
+
+
+class _Residual(torch.nn.Sequential):
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+class _UserNet(torch.nn.Module):
+    """A model this repository never saw: its own names, a masked Linear, a weight_norm Linear, and a
+    gain registered after the blocks that only its own output step reads."""
+
+    def __init__(self, v=16, h=8):
+        super().__init__()
+        self.stem = torch.nn.Embedding(v, h)
+        self.layers = torch.nn.ModuleList(
+            _Residual(_Masked(h), torch.nn.Tanh(), torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(h, h)))
+            for _ in range(4)
+        )
+        self.readout = torch.nn.Linear(h, v)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, v))
+
+    def forward(self, idx):
+        x = self.stem(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.readout(x) * self.gain
+
+
+def _user_losses(kwargs):
+    from colossalai import Booster
+
+    def crit(out, y):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    torch.manual_seed(0)
+    model = _UserNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if kwargs is not None:
+        booster = Booster(plugin=HybridParallelPlugin(**kwargs))
+        model, opt, *_ = booster.boost(model, opt, crit)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 16, (8, 4), generator=g), torch.randint(0, 16, (8, 4), generator=g)
+    losses = []
+    for _ in range(3):
+        if kwargs is None:
+            loss = crit(model(x), y)
+            loss.backward()
+        else:
+            loss = booster.execute_pipeline((x, y), model, crit, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipeline_keeps_a_users_own_modules(schedule):
+    """Issue 30: the masked and weight_norm Linear keep their forward under zero-bubble, and the late
+    ``gain`` lands on the last stage and is used as the model's forward uses it (3 AdamW steps)."""
+    ref = _user_losses(None)
+    kwargs = dict(tp_size=1, pp_size=2, num_microbatches=2, pp_schedule=schedule)
+    for got in run_distributed(_user_losses, 2, kwargs, timeout=180):
+        assert got == pytest.approx(ref, rel=1e-5), (got, ref)

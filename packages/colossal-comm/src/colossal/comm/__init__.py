@@ -50,8 +50,13 @@ from colossal.comm.functional import (
 from colossal.comm.launch import LaunchInfo, default_backend, default_device, detect_launcher, launch
 from colossal.comm.layouts import Layout2D, Layout2p5D, Layout3D
 from colossal.comm.mesh import Axis, Mesh
+from colossal.comm.meta import is_unset, mark_unset, unset_mark, unset_names
 
 __all__ = [
+    "is_unset",
+    "mark_unset",
+    "unset_mark",
+    "unset_names",
     "ArrivalError",
     "DEFAULT_ARRIVAL_TIMEOUT",
     "check_arrival",

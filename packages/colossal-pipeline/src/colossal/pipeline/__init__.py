@@ -5,6 +5,7 @@ a schedule's actions with activations and gradients moving through ``colossal.co
 batch loss on every rank with gradients equal to single-process training.
 """
 
+from colossal.pipeline.forward_split import ForwardSplit, split_forward
 from colossal.pipeline.p2p import HEADER_TAG, P2P_TAG, StageLinks
 from colossal.pipeline.runtime import (
     LOSS_TAG,
@@ -30,6 +31,7 @@ from colossal.pipeline.stages import (
     BLOCK_CANDIDATES,
     BlockCost,
     StageChunk,
+    check_initialised,
     find_blocks,
     materialize_owned,
     measure_block_costs,
@@ -57,6 +59,9 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "StageChunk",
+    "ForwardSplit",
+    "check_initialised",
+    "split_forward",
     "StageLinks",
     "StepStats",
     "WeightGradStore",

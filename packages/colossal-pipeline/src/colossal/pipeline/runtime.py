@@ -214,8 +214,9 @@ class PipelineParallel:
         self._sync_tied()
         self.weight_store = WeightGradStore() if self.schedule.split_backward else None
         if self.weight_store is not None:
-            for name in {n.rpartition(".")[0] for n in owned}:
-                self.weight_store.patch(model.get_submodule(name))
+            for name in sorted({n.rpartition(".")[0] for n in owned}):  # the Linear layers this rank owns
+                if isinstance(owner := model.get_submodule(name), nn.Linear):
+                    self.weight_store.patch(owner, prefix=name)
         self.links = StageLinks(group, self.schedule, self.device)
         self.stats = StepStats()
 

@@ -1,9 +1,10 @@
 """Split a model whose body is a sequence of blocks into pipeline chunks.
 
-A model is seen as three parts, found from the order in which it registers its tensors:
-everything registered before the block container (embeddings) goes with the first chunk, the
-blocks are divided among the ``p * v`` chunks, everything registered after (final norm, head)
-goes with the last chunk. Each rank keeps real tensors only for what its own chunks use and
+A model is seen as three parts: what its forward runs before the block container (embeddings)
+goes with the first chunk, the blocks are divided among the ``p * v`` chunks, what it runs after
+(final norm, head) goes with the last chunk (``[Note: the user's forward, cut at the blocks]`` in
+:mod:`colossal.pipeline.forward_split`; a forward that cannot be cut is split by the order in
+which the model registers its children). Each rank keeps real tensors only for what its own chunks use and
 turns the rest into ``meta`` tensors, so a model built on the meta device is never whole anywhere.
 
 [Note: same initial values as a dense build]
@@ -51,10 +52,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from colossal.comm import mark_unset, unset_names
+from colossal.pipeline.forward_split import ForwardSplit, split_forward
+
 __all__ = [
     "BLOCK_CANDIDATES",
     "BlockCost",
     "StageChunk",
+    "check_initialised",
     "find_blocks",
     "materialize_owned",
     "measure_block_costs",
@@ -280,6 +285,34 @@ def _default_part(names: list[str], what: str, blocks_name: str) -> Callable[[nn
     return run
 
 
+def _default_parts(model: nn.Module, blocks: str, embed: Callable | None, head: Callable | None):
+    """``embed``/``head`` where given, else the model's own forward around the blocks, else (a
+    forward that cannot be cut) the top-level children before/after the blocks in registration
+    order, refusing what that fallback would compute differently from the forward."""
+    if embed is not None and head is not None:
+        return embed, head  # the user says what the first and last stage compute
+    cut = _cut(model, blocks)
+    if cut.problem is None:
+        return embed or cut.embed, head or cut.head
+    missing = " and ".join(f"{w}=fn(model, x)" for w, f in (("embed", embed), ("head", head)) if f is None)
+    if cut.in_blocks:
+        raise ValueError(
+            f"{cut.problem}; a pipeline stage runs its blocks one after another on the hidden state alone, so move "
+            f"that code into the block (wrap each block in a module that does it), or pass {missing} and accept "
+            "that the blocks run alone"
+        )
+    if cut.fatal:
+        raise ValueError(f"{cut.problem}; pass {missing} for the pipeline's stages")
+    root = _root_tensors(model)
+    if root:
+        raise ValueError(
+            f"{type(model).__name__} registers {root} on the model itself, and its forward cannot be cut at the blocks "
+            f"({cut.problem}), so no stage would read them; pass {missing} that use them"
+        )
+    before, after = _sides(model, blocks)
+    return embed or _default_part(before, "embed", blocks), head or _default_part(after, "head", blocks)
+
+
 def _owner(name: str, prefix: str, seen_blocks: bool) -> tuple[str, int]:
     """``("block", i)`` for a tensor of block ``i``; ``("first"|"last", -1)`` otherwise."""
     if name.startswith(prefix):
@@ -287,15 +320,47 @@ def _owner(name: str, prefix: str, seen_blocks: bool) -> tuple[str, int]:
     return ("last" if seen_blocks else "first"), -1
 
 
+def _cut(model: nn.Module, blocks_name: str) -> ForwardSplit:
+    """The model's forward cut at its blocks (``[Note: the user's forward, cut at the blocks]``);
+    a nested block container is never cut (its forward is the parent's business)."""
+    if "." in blocks_name:
+        return ForwardSplit(problem=f"blocks={blocks_name!r} is nested")
+    return split_forward(model, blocks_name, len(find_blocks(model, blocks_name)[1]))
+
+
 def tensor_owners(model: nn.Module, blocks_name: str) -> dict[str, tuple[str, int]]:
-    """Every parameter and buffer name (tied ones under each name) -> its owning part."""
+    """Every parameter and buffer name (tied ones under each name) -> its owning part: a block's
+    tensors go with that block; the others with the part of the model's forward that reads them
+    (``[Note: the user's forward, cut at the blocks]``); those no part reads (or all of them when
+    the forward cannot be cut) with the first or last part by registration order."""
     prefix, owners, seen = blocks_name + ".", {}, False
     tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
     for name, _ in sorted(tensors, key=lambda nt: order.get(nt[0].rpartition(".")[0], -1)):
         seen = seen or name.startswith(prefix)
         owners[name] = _owner(name, prefix, seen)
+    cut = _cut(model, blocks_name)
+    if cut.problem is None:
+        for name in cut.embed_tensors | cut.head_tensors:
+            sides = [s for s, used in (("before", cut.embed_tensors), ("after", cut.head_tensors)) if name in used]
+            if owners[name][0] == "block":
+                raise NotImplementedError(
+                    f"{type(model).__name__}.forward reads {name} (a tensor of block {owners[name][1]}) {sides[0]} "
+                    "the blocks; a stage holds only its own blocks' tensors"
+                )
+            if len(sides) == 2:
+                raise NotImplementedError(
+                    f"{type(model).__name__}.forward reads {name} both before and after the blocks, so the first and "
+                    "the last stage both need it; register it under two names (a tie, e.g. "
+                    "lm_head.weight = wte.weight) or pass embed=/head="
+                )
+            owners[name] = ("first" if sides == ["before"] else "last", -1)
     return owners
+
+
+def _root_tensors(model: nn.Module) -> list[str]:
+    """Parameters and buffers registered on the model itself (not on a child)."""
+    return [n for n, _ in list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False))]
 
 
 def _replace(model: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
@@ -307,7 +372,9 @@ def _replace(model: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) 
         mod._buffers[attr] = tensor
 
 
-def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, init: Callable | None) -> None:
+def materialize_owned(
+    model: nn.Module, owned: set[str], device: torch.device, init: Callable | None, *, check: bool = True
+) -> None:
     """Keep real tensors (on ``device``) for the names in ``owned``; make every other one ``meta``.
 
     A tensor registered under several names (tied) stays one tensor under all of them when any of
@@ -315,9 +382,24 @@ def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, i
     rank. Tensors still on the meta device are initialised by ``init(module)`` for each module
     holding an owned one, or (``init=None``) as ``[Note: same initial values as a dense build]``
     says: the same values a dense ``to_empty`` + ``reset_parameters`` build would give them.
+
+    Each tensor allocated here is marked first (``[Note: marking tensors a meta build leaves
+    unset]`` in ``colossal.comm.meta``); with ``check`` a :class:`ValueError` names those that the
+    initialisation left unset (a caller that initialises afterwards passes ``check=False`` and
+    calls :func:`check_initialised` itself).
     """
     params = list(model.named_parameters(remove_duplicate=False))
     buffers = list(model.named_buffers(remove_duplicate=False))
+    needs_init = any(t.is_meta for n, t in params + buffers if n in owned)
+    if init is None and check and needs_init:  # alike on every rank of a meta build: a module without reset
+        lost = [n for n, t in params + buffers if t.is_meta and not _resettable(model, n)]
+        if lost:
+            raise ValueError(
+                f"meta-device model: {', '.join(lost)} would not be initialised (their modules have no "
+                "reset_parameters(), and a meta tensor keeps no values: a buffer such as torch.ones(n) built under "
+                "torch.device('meta') is lost); give those modules reset_parameters(), pass init=, or build the "
+                "model on a real device"
+            )
     keep_ids = {id(t) for n, t in params + buffers if n in owned}
     fresh_ids = {id(t) for _, t in params + buffers if t.is_meta}  # allocated here: to initialise
     made: dict[int, torch.Tensor] = {}
@@ -333,6 +415,7 @@ def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, i
     fresh = {id(made[i]) for i in fresh_ids & keep_ids}
     if not fresh:  # nothing of this rank was on the meta device: nothing to initialise (no draws)
         return
+    mark_unset(made[i] for i in fresh_ids & keep_ids)
     with torch.no_grad():
         if init is not None:
             for mod in model.modules():
@@ -340,6 +423,27 @@ def materialize_owned(model: nn.Module, owned: set[str], device: torch.device, i
                     init(mod)
         else:
             _replay_reset(model, fresh, device)
+    if check:
+        check_initialised(model, owned)
+
+
+def _resettable(model: nn.Module, name: str) -> bool:
+    """Whether the module holding tensor ``name`` has a ``reset_parameters()``."""
+    return callable(getattr(model.get_submodule(name.rpartition(".")[0]), "reset_parameters", None))
+
+
+def check_initialised(model: nn.Module, names: set[str]) -> None:
+    """Raise a :class:`ValueError` naming the tensors among ``names`` that still hold the mark of
+    :func:`materialize_owned` (no initialiser wrote them)."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    unset = unset_names((n, t) for n, t in named if n in names)
+    if unset:
+        raise ValueError(
+            f"meta-device model: {', '.join(unset)} not initialised by any reset_parameters() or the model's "
+            "initialiser (a meta tensor keeps no values: a buffer such as torch.ones(n) built under "
+            "torch.device('meta') is lost); give those modules reset_parameters(), pass init=, or build the "
+            "model on a real device"
+        )
 
 
 def _own_tensors(mod: nn.Module) -> list[torch.Tensor]:
@@ -382,9 +486,8 @@ def split_model(
     Only builds the views; :func:`materialize_owned` decides which tensors stay real.
     """
     _, seq = find_blocks(model, blocks)
-    before, after = _sides(model, blocks)
-    embed = embed or _default_part(before, "embed", blocks)
-    head = head or _default_part(after, "head", blocks)
+    if embed is None or head is None:
+        embed, head = _default_parts(model, blocks, embed, head)
     owners = tensor_owners(model, blocks)
     chunks = []
     for c in chunk_ids:

@@ -6,6 +6,17 @@ computes ``grad_W = grad_out^T x`` and ``grad_b = sum(grad_out)`` with the same 
 would have used, and accumulates them into ``.grad``. Linear layers hold nearly all of a
 transformer's weight-gradient work; the few other parameters (norms, embeddings) get theirs in
 the input-gradient pass. This is how the zero-bubble paper's own implementation splits it.
+
+[Note: only a plain Linear is split]
+The deferred function computes ``x @ W^T + b`` itself, so it may stand in only for a module whose
+forward is exactly that: ``nn.Linear.forward`` on the module's own ``weight`` and ``bias``
+leaves. A subclass with its own ``forward`` (a masked or scaled weight, a LoRA adapter), a module
+with an instance-level ``forward``, a ``weight`` that is not a parameter (``torch.nn.utils.prune``
+recomputes it in a pre-hook) and a parametrized module
+(``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``, whose ``weight`` is computed
+from ``original0/1`` on every access) keep their own forward; autograd gives their weight
+gradients in the input-gradient pass, exactly as in plain PyTorch, at the cost of less bubble
+removed. :attr:`WeightGradStore.kept` names them.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = ["WeightGradStore"]
 
@@ -62,16 +74,26 @@ class WeightGradStore:
         self.queue: list | None = None
         """The queue being filled (``None``: backward computes weight gradients at once)."""
         self._queues: dict[object, list] = {}
+        self.kept: list[str] = []
+        """Qualified names of the ``nn.Linear`` modules left unsplit (see [Note: only a plain
+        Linear is split]): their weight gradients come in the input-gradient pass."""
 
-    def patch(self, module: nn.Module) -> int:
-        """Route every ``nn.Linear`` under ``module`` through the deferring function; returns
-        how many were patched. Outside :meth:`capture` they behave exactly as before."""
+    def patch(self, module: nn.Module, prefix: str = "") -> int:
+        """Route every plain ``nn.Linear`` under ``module`` through the deferring function; returns
+        how many were patched. Outside :meth:`capture` they behave exactly as before. Linear
+        modules whose forward is not ``nn.Linear.forward`` on their own leaves are left alone and
+        listed in :attr:`kept` under ``prefix`` + their name."""
         n = 0
-        for mod in module.modules():
-            if isinstance(mod, nn.Linear) and not getattr(mod, "_colossal_deferred", False):
-                mod.forward = types.MethodType(_deferred_forward, mod)
-                mod._colossal_deferred, mod._colossal_store = True, self
-                n += 1
+        for name, mod in module.named_modules(prefix=prefix):
+            if not isinstance(mod, nn.Linear) or getattr(mod, "_colossal_deferred", False):
+                continue
+            if not _splittable(mod):
+                if name not in self.kept:
+                    self.kept.append(name)
+                continue
+            mod.forward = types.MethodType(_deferred_forward, mod)
+            mod._colossal_deferred, mod._colossal_store = True, self
+            n += 1
         return n
 
     @contextmanager
@@ -98,6 +120,16 @@ class WeightGradStore:
     def pending(self) -> int:
         """Number of keys whose weight gradients are still deferred."""
         return len(self._queues)
+
+
+def _splittable(mod: nn.Linear) -> bool:
+    """Whether ``mod``'s forward is exactly ``F.linear(x, mod.weight, mod.bias)`` on leaf
+    parameters, which the deferring function reproduces ([Note: only a plain Linear is split])."""
+    if type(mod).forward is not nn.Linear.forward or "forward" in mod.__dict__:
+        return False
+    if parametrize.is_parametrized(mod):
+        return False
+    return isinstance(mod.weight, nn.Parameter) and (mod.bias is None or isinstance(mod.bias, nn.Parameter))
 
 
 def _deferred_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from colossal.comm import mark_unset, unset_names
 from colossalai.booster.plugin import Plugin, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 
@@ -35,16 +35,12 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
         else:
             model.to_empty(device=device)
             _retie(model, ties)
-            with torch.no_grad():
-                for t in itertools.chain(model.parameters(), model.buffers()):
-                    if (mark := _unset_mark(t)) is not None:
-                        _marked(t).fill_(mark)
+            mark_unset(itertools.chain(model.parameters(), model.buffers()))  # [Note: marking tensors ...]
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
             _model_init(model)
-            named = itertools.chain(model.named_parameters(), model.named_buffers())
-            unset = [n for n, t in named if _is_unset(t)]
+            unset = unset_names(itertools.chain(model.named_parameters(), model.named_buffers()))
             if unset:
                 raise ValueError(
                     f"meta-device model: {', '.join(unset)} not initialised by any reset_parameters() or "
@@ -54,31 +50,6 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
                     "on a real device"
                 )
     return model.to(device)
-
-
-def _unset_mark(t: torch.Tensor) -> float | None:
-    """The value that marks ``t`` (fresh from ``to_empty``) as not initialised, in :func:`_marked`'s
-    view of it: NaN for floating point, the minimum of signed integers, byte 0xFF (no valid bool) for
-    bool; ``None`` for unsigned integers, which have no unlikely value and stay unchecked."""
-    if t.is_floating_point() or t.is_complex():
-        return math.nan
-    if t.dtype == torch.bool:
-        return 255
-    low = torch.iinfo(t.dtype).min
-    return low if low < 0 else None
-
-
-def _marked(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
-
-
-def _is_unset(t: torch.Tensor) -> bool:
-    """Whether any element of ``t`` still holds its :func:`_unset_mark`."""
-    mark = _unset_mark(t)
-    if mark is None or t.numel() == 0:
-        return False
-    view = _marked(t)
-    return bool((view.isnan() if math.isnan(mark) else view == mark).any())
 
 
 def _model_init(model: nn.Module) -> bool:

@@ -148,9 +148,10 @@ class HybridParallelPlugin(Plugin):
             raise TypeError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
         sizes = (("tp_size", tp_size), ("tp_depth", tp_depth), ("sp_size", sp_size), ("pp_size", pp_size))
         sizes += (("ep_size", ep_size),)
-        sizes += (("pp_virtual", pp_virtual), ("num_microbatches", num_microbatches or 1))
+        sizes += (("pp_virtual", pp_virtual),)
+        sizes += (("num_microbatches", 1 if num_microbatches is None else num_microbatches),)  # None: pp_size
         for arg, value in sizes:
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if tp_mode not in TP_MODES:
             raise NotImplementedError(f"HybridParallelPlugin supports tp_mode in {TP_MODES}, got {tp_mode!r}")
@@ -178,7 +179,7 @@ class HybridParallelPlugin(Plugin):
         self._ep_rows = False  # load_checkpoint_pieces: expert templates are this rank's rows
         self.tp_size, self.tp_mode, self.tp_depth = tp_size, tp_mode, tp_depth
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
-        self.num_microbatches = num_microbatches or pp_size
+        self.num_microbatches = pp_size if num_microbatches is None else num_microbatches
         self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
         self._pp_inputs: tuple | None = None  # a Hugging Face pipeline's (first input, extra inputs)
         self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline

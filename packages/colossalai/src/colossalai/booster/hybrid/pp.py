@@ -121,19 +121,21 @@ def materialize_stages(model: nn.Module, mesh, cfg, device: torch.device, policy
     other stages stay meta), with the values of a dense build from the same random state, or (a
     Hugging Face ``policy``) with the model's own initialiser (``[Note: meta construction under
     pp]``). Communicates nothing."""
-    from colossal.pipeline import materialize_owned, stage_tensor_names
+    from colossal.pipeline import check_initialised, materialize_owned, stage_tensor_names
 
     owned = stage_tensor_names(model, cfg, mesh.axes["pp"], mesh.coordinate("pp"))
     if policy is not None:  # transformers' _init_weights per real module
-        materialize_owned(model, owned, device, lambda m: None)
+        materialize_owned(model, owned, device, lambda m: None, check=False)
         policy.init_weights(model)
+        check_initialised(model, owned)
         return
     whole_model_init = callable(getattr(model, "init_weights", None)) and hasattr(model, "materialize")
-    materialize_owned(model, owned, device, (lambda m: None) if whole_model_init else None)
+    materialize_owned(model, owned, device, (lambda m: None) if whole_model_init else None, check=not whole_model_init)
     if whole_model_init:  # colossalai's GPT / PaLM: their own initialiser skips meta tensors
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         model.init_weights()
+        check_initialised(model, owned)
 
 
 def apply_pp(model: nn.Module, mesh, cfg, *, gather, sp, device, policy=None):
