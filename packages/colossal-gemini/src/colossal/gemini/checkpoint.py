@@ -135,26 +135,12 @@ def model_state_dict(ddp) -> dict[str, torch.Tensor]:
 
 
 def _check_full(ddp, state: dict, strict: bool):
-    """torch's ``load_state_dict`` rules: missing/unexpected keys are an error when ``strict``
-    (returned otherwise), a shape mismatch always is; all listed in one RuntimeError."""
+    """torch's ``load_state_dict`` rules and wording (``colossal.comm.checkpoint.check_state_dict``)."""
+    from colossal.comm.checkpoint import check_state_dict
+
     expected = {n: tuple(p.shape) for n, p in ddp.module.named_parameters(remove_duplicate=False)}
     expected.update({n: tuple(b.shape) for n, b in _buffers(ddp.module)})
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [
-        f"size mismatch for {k}: copying a param with shape {tuple(state[k].shape)}, "
-        f"the shape in current model is {shape}"
-        for k, shape in expected.items()
-        if k in state and tuple(state[k].shape) != shape
-    ]
-    errors = mismatched + (
-        [f"Missing key(s): {missing}"] * bool(missing) + [f"Unexpected key(s): {unexpected}"] * bool(unexpected)
-        if strict
-        else []
-    )
-    if errors:
-        raise RuntimeError("Error(s) in loading state_dict for GeminiDDP:\n\t" + "\n\t".join(errors))
-    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+    return check_state_dict(type(ddp.module).__name__, expected, state, strict)
 
 
 @_pages_disk
@@ -183,43 +169,54 @@ def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = Tr
     return result
 
 
-def _state_keys(optim) -> list[str]:
-    keys: list[str] = []
-    for slices in optim.slices.values():
-        for fake, *_ in slices:
-            for k, t in optim.optim.state.get(fake, {}).items():
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and k not in keys:
-                    keys.append(k)
-    return sorted(keys)
+def _layouts(optim, with_state: bool = True) -> list:
+    """Each chunk as a :class:`~colossal.comm.checkpoint.FlatShard` (``[Note: one optimizer-state
+    path]`` in ``colossal.comm.checkpoint.optim_state``): this rank's shard of the chunk, the
+    states of the parameter slices it holds, and the scalars of every parameter it knows (one it
+    holds a slice of, or an empty slice of a layer-wise rule); the others are unknown here."""
+    from colossal.comm.checkpoint import UNKNOWN, FlatShard
 
-
-def _param_of_name(ddp) -> dict[str, torch.nn.Parameter]:
-    return {ns[0]: p for p, ns in _names(ddp).items()}
+    m, out = optim.manager, []
+    known = {}
+    fakes_of = {cid: slices for cid, slices in optim.slices.items()}
+    for fake, name in optim.empty if with_state else ():
+        st = optim.optim.state.get(fake)
+        known[name] = {k: v for k, v in st.items() if _is_scalar(v)} if st else None
+    for chunk in m.chunks:
+        lo, hi = chunk.shard_range(m.rank)
+        states: dict[str, torch.Tensor] = {}
+        for fake, a, b, name in fakes_of.get(chunk.id, ()) if with_state else ():
+            st = optim.optim.state.get(fake)
+            known[name] = {k: v for k, v in st.items() if _is_scalar(v)} if st else None
+            for k, v in (st or {}).items():
+                if not _is_scalar(v):
+                    states.setdefault(k, torch.zeros(hi - lo))[a:b] = v.detach().reshape(-1).cpu().float()
+        out.append(
+            FlatShard(
+                names=[info.name for info in chunk.tensors],
+                shapes=[tuple(info.param.shape) for info in chunk.tensors],
+                offsets=[info.offset for info in chunk.tensors],
+                lo=lo,
+                hi=hi,
+                states=states,
+                scalars=[known.get(info.name, UNKNOWN) for info in chunk.tensors] if with_state else [],
+            )
+        )
+    return out
 
 
 @_collective("optimizer_state_dict")
 @_pages_disk
 def optimizer_state_dict(optim) -> dict:
-    """Gathered optimizer state keyed by parameter name, plus scalars, hyper-parameters and the loss
-    scaler. Collective (an all-gather per chunk and state): call on every rank ([Note: state is
-    collective])."""
-    m, ddp = optim.manager, optim.model
-    keys = _state_keys(optim)
-    state: dict[str, dict] = {}
-    for chunk in m.chunks:
-        for k in keys:
-            shard = torch.zeros(chunk.shard_size, dtype=torch.float32)
-            for fake, lo, hi, _ in optim.slices.get(chunk.id, ()):
-                shard[lo:hi] = optim.optim.state[fake][k].detach().cpu()
-            full = _gather(m, shard)
-            for info in chunk.tensors:
-                state.setdefault(info.name, {})[k] = full[info.offset : info.offset + info.numel].view(info.param.shape)
-    scalars = _scalars(optim)
-    fallback = next(iter(scalars.values()), {})  # element-wise rules: every parameter's scalars are equal
-    for name in state:
-        state[name].update(scalars.get(name, fallback))
+    """Gathered optimizer state keyed by parameter name, plus hyper-parameters and the loss scaler:
+    a parameter that never had a gradient has no entry, every entry has its scalars (``step``)
+    with its moments (``[Note: one optimizer-state path]``). Collective (an all-gather per chunk
+    and state key): call on every rank ([Note: state is collective])."""
+    from colossal.comm.checkpoint import gather_full_state
+
+    m = optim.manager
+    state = gather_full_state(_layouts(optim), lambda t, b: _gather(m, t), group=m.group, distributed=m.sharded)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optim.optim.param_groups]
-    del ddp
     return {"state": state, "param_groups": groups, "loss_scaler": optim.scaler.state_dict()}
 
 
@@ -227,52 +224,40 @@ def _is_scalar(v) -> bool:
     return not (isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _scalars(optim) -> dict[str, dict]:
-    """Scalar states per parameter name (LARS's ``scale`` differs per parameter), from this rank's
-    slices and, for layer-wise rules, its empty slices of the parameters other ranks hold."""
-    out: dict[str, dict] = {}
-    fakes = [(fake, name) for slices in optim.slices.values() for fake, _, _, name in slices] + optim.empty
-    for fake, name in fakes:
-        st = optim.optim.state.get(fake)
-        if st and name not in out:
-            out[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items() if _is_scalar(v)}
-    return out
-
-
-def _fill_empty(optim, entries: dict[str, dict]) -> None:
-    """Load the states of the empty slices (layer-wise rules): the scalars, and empty tensor states."""
-    for fake, name in optim.empty:
-        if name in entries:
-            optim.optim.state[fake] = {
-                k: (v.clone() if isinstance(v, torch.Tensor) else v) if _is_scalar(v) else fake.detach().new_zeros(0)
-                for k, v in entries[name].items()
-            }
-
-
 @_pages_disk
 def load_optimizer_state_dict(optim, sd: dict) -> None:
-    """Load a state from :func:`optimizer_state_dict` (any world size / chunk size). No
-    communication, but every rank calls it with the full state (each keeps its own slices)."""
+    """Load a state from :func:`optimizer_state_dict` (any world size / chunk size): a parameter
+    without an entry is left without state; every problem (group count, unknown names, sizes) is
+    listed in one ``ValueError`` before anything changes. No communication, but every rank calls it
+    with the full state (each keeps its own slices)."""
+    from colossal.comm.checkpoint import apply_groups, scatter_full_state
+
     m = optim.manager
-    for g, saved in zip(optim.optim.param_groups, sd["param_groups"]):
-        g.update(saved)
-    for chunk in m.chunks:
+    groups = sd.get("param_groups", [])
+    if len(groups) != len(optim.optim.param_groups):
+        raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer {len(optim.optim.param_groups)}")
+    layouts = _layouts(optim, with_state=False)
+    shares = scatter_full_state(layouts, sd.get("state", {}), what="this GeminiOptimizer")
+    apply_groups(optim.optim.param_groups, groups)
+    by_name = {}
+    for chunk, layout, share in zip(m.chunks, layouts, shares, strict=True):
+        for name, sc in zip(layout.names, share.scalars, strict=True):
+            by_name[name] = (sc, share.states)
         for fake, lo, hi, name in optim.slices.get(chunk.id, ()):
-            info = m.chunk_of[_find(m, name)][1]
-            s_lo = chunk.shard_range(m.rank)[0]
-            a, b = s_lo + lo - info.offset, s_lo + hi - info.offset  # slice range inside the parameter
-            entry = sd["state"].get(name)
-            if entry is None:
+            sc, states = by_name[name]
+            if sc is None:
+                optim.optim.state.pop(fake, None)
                 continue
-            st = {}
-            for k, v in entry.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    st[k] = v.reshape(-1)[a:b].to(fake.device, fake.dtype).clone()
-                else:
-                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            optim.optim.state[fake] = st
-    _fill_empty(optim, sd["state"])
-    optim.scaler.load_state_dict(sd["loss_scaler"])
+            per = {k: v[lo:hi].to(fake.device, fake.dtype).clone() for k, v in states.items()}
+            optim.optim.state[fake] = {**sc, **per}
+    for fake, name in optim.empty:  # layer-wise: the scalars, and empty per-element states
+        sc, states = by_name[name]
+        if sc is None:
+            optim.optim.state.pop(fake, None)
+        else:
+            optim.optim.state[fake] = {**sc, **{k: fake.detach().new_zeros(0) for k in states}}
+    if "loss_scaler" in sd:
+        optim.scaler.load_state_dict(sd["loss_scaler"])
 
 
 def _find(manager, name: str) -> torch.nn.Parameter:
@@ -350,25 +335,16 @@ def save_sharded(path: str, model, optimizer=None) -> None:
     """Save this rank's slices with ``torch.distributed.checkpoint``, plus its entry table (every
     entry's logical shape and dtype) and the checksums of the files it wrote. Collective over the
     data-parallel group: every rank calls it ([Note: state is collective])."""
-    from colossal.comm.checkpoint import blob, save_flat  # imports torch.distributed.checkpoint: only when saving
+    from colossal.comm.checkpoint import GROUPS_KEY, blob, groups_blob, save_flat  # imports DCP: only when saving
 
     sd = sharded_state_dict(model, optimizer)
     if optimizer is not None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optim.param_groups]
         meta = {"param_groups": groups, "loss_scaler": optimizer.scaler.state_dict()}
-        sd["meta/optim"] = blob(pickle.dumps(meta))  # one opaque blob
+        sd["meta/optim"] = blob(pickle.dumps(meta))  # with the loss scaler, for load_sharded
+        sd[GROUPS_KEY] = groups_blob(optimizer.optim.param_groups)  # what every other reader of the format reads
     entries = {f"model/{n}": e for n, e in sharded_entries(model).items()}
     save_flat(path, sd, entries, _dcp_rank(model.manager), **_dcp_kwargs(model.manager))
-
-
-def _pieces(metadata) -> dict[str, list[tuple[int, int, str]]]:
-    """``prefix -> [(first element, numel, key)]`` of every 1-D piece of the checkpoint."""
-    out: dict[str, list[tuple[int, int, str]]] = {}
-    for key, m in metadata.items():
-        head, _, s = key.rpartition("@")
-        if head and s.isdigit() and len(getattr(m, "size", ())) == 1:
-            out.setdefault(head, []).append((int(s), m.size[0], key))
-    return out
 
 
 def _by_name(keys) -> dict[str, list[str]]:
@@ -421,7 +397,9 @@ def load_sharded_state_dict(model, optimizer, metadata, load, *, skip: set[str] 
     slices: ``metadata`` is the checkpoint's DCP ``state_dict_metadata``, ``load(tensors)`` fills a
     dict of tensors in place (one ``dcp.load``: collective, every rank calls it once). ``skip``:
     names the checkpoint lacks that stay as they are (a non-strict load)."""
-    pieces = _pieces(metadata)
+    from colossal.comm.checkpoint import piece_index
+
+    pieces = piece_index(metadata)
     _check_complete(model, pieces, metadata, skip)
     wanted, targets = _targets(model.manager, optimizer, metadata, pieces)
     buffers = {n: b for n, b in _buffers(model.module) if f"model/{n}" in pieces or f"model/{n}" in metadata}
@@ -437,21 +415,25 @@ def load_sharded_state_dict(model, optimizer, metadata, load, *, skip: set[str] 
             else:
                 b.view(-1).copy_(torch.cat([loaded[k] for _, _, k in sorted(pieces[f"model/{n}"])]))
     if optimizer is not None:
-        _load_scalars(optimizer, loaded, _by_name(pieces))
+        _load_scalars(optimizer, loaded, _by_name(pieces), skip)
 
 
-def _load_scalars(optimizer, loaded: dict, states: dict[str, list[str]]) -> None:
-    """Scalar states per parameter name into every slice of it (empty ones too, with empty tensor states)."""
+def _load_scalars(optimizer, loaded: dict, states: dict[str, list[str]], skip) -> None:
+    """Scalar states per parameter name into every slice of it (empty ones too, with empty tensor
+    states); a parameter the checkpoint holds no state for is left without state, as ``torch.optim``
+    loads it, unless a non-strict load skips it (``skip``)."""
     scalars = _by_name(k for k in loaded if "@" not in k)
-    for fake, _, _, name in (s for slices in optimizer.slices.values() for s in slices):
+    slices = [(fake, name) for ss in optimizer.slices.values() for fake, _, _, name in ss]
+    for fake, name in [*slices, *optimizer.empty]:
+        if name in skip:
+            continue
+        if name not in scalars and name not in states:
+            optimizer.optim.state.pop(fake, None)
+            continue
         state = optimizer.optim.state.setdefault(fake, {})
         state.update({k.rsplit("/", 1)[1]: loaded[k].clone() for k in scalars.get(name, ())})
-    entries = {
-        name: {k.rsplit("/", 1)[1]: loaded[k] for k in scalars.get(name, ())}
-        | {p.rsplit("/", 1)[1]: torch.zeros(1) for p in states.get(name, ())}
-        for _, name in optimizer.empty
-    }
-    _fill_empty(optimizer, entries)
+        if fake.numel() == 0:  # an empty slice of a layer-wise rule: empty per-element states
+            state.update({p.rsplit("/", 1)[1]: fake.detach().new_zeros(0) for p in states.get(name, ())})
 
 
 @_collective("load_sharded")

@@ -102,24 +102,27 @@ class ParamShardViews:
                 out[key] = v0
         return out
 
-    def set_flat_state(self, flat: FlatParam, state: dict) -> None:
-        """Inverse of :meth:`flat_state`: split ``(shard_numel,)`` states into the views' states."""
-        for v, (a, b) in zip(self.views[id(flat)], self.spans[id(flat)], strict=True):
-            self.optimizer.state[v] = {
-                k: (s[a:b].clone() if isinstance(s, Tensor) and s.dim() >= 1 else _copy(s)) for k, s in state.items()
-            }
+    def set_flat_state(self, flat: FlatParam, state: dict, scalars: list[dict | None] | None = None) -> None:
+        """Inverse of :meth:`flat_state`: split ``(shard_numel,)`` states into the views' states;
+        ``scalars`` per parameter (``None``: that parameter gets no state; default: every view
+        takes ``state``'s scalars)."""
+        shared = {k: v for k, v in state.items() if not _per_element(v)}
+        for i, (v, (a, b)) in enumerate(zip(self.views[id(flat)], self.spans[id(flat)], strict=True)):
+            sc = shared if scalars is None else scalars[i]
+            if sc is None:
+                self.optimizer.state.pop(v, None)
+                continue
+            per = {k: s[a:b].clone() for k, s in state.items() if _per_element(s)}
+            self.optimizer.state[v] = {**{k: _copy(x) for k, x in sc.items()}, **per}
 
-    def param_scalars(self, flat: FlatParam) -> list[dict]:
-        """Each parameter's scalar states (LARS keeps a per-parameter ``scale``; Adam's ``step`` is shared)."""
-        return [
-            {k: v for k, v in self.optimizer.state.get(view, {}).items() if not _per_element(v)}
-            for view in self.views[id(flat)]
-        ]
-
-    def set_param_scalars(self, flat: FlatParam, scalars: list[dict]) -> None:
-        """Inverse of :meth:`param_scalars` (after :meth:`set_flat_state`)."""
-        for view, sc in zip(self.views[id(flat)], scalars, strict=True):
-            self.optimizer.state.setdefault(view, {}).update({k: _copy(v) for k, v in sc.items()})
+    def param_states(self, flat: FlatParam) -> list[dict | None]:
+        """Each parameter's scalar states (LARS keeps a per-parameter ``scale``; Adam's ``step`` is
+        shared), ``None`` for a parameter without state (it never had a gradient)."""
+        out = []
+        for view in self.views[id(flat)]:
+            st = self.optimizer.state.get(view)
+            out.append({k: v for k, v in st.items() if not _per_element(v)} if st else None)
+        return out
 
     def state_tensors(self, flat: FlatParam) -> list[Tensor]:
         """Every optimizer state tensor of ``flat``'s views (for memory accounting)."""

@@ -104,32 +104,59 @@ def _param_index(zero: ZeroOptimizer) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(itertools.chain(*zero._orig_groups))}
 
 
+def _layouts(zero: ZeroOptimizer, with_state: bool = True) -> tuple[list[FlatParam], list]:
+    """The buffers with a master and their :class:`~colossal.comm.checkpoint.FlatShard` layouts
+    (``[Note: one optimizer-state path]`` in ``colossal.comm.checkpoint.optim_state``)."""
+    from colossal.comm.checkpoint import FlatShard
+
+    flats = [f for f in zero.flats if f.master is not None]
+    layouts = []
+    for flat in flats:
+        state = zero._flat_state(flat) if with_state else {}
+        layouts.append(
+            FlatShard(
+                names=[str(i) for i in range(len(flat.params))],
+                shapes=[tuple(s) for s in flat.shapes],
+                offsets=list(flat.offsets),
+                lo=flat.shard_start,
+                hi=flat.shard_start + flat.shard_numel,
+                states={k: v for k, v in state.items() if _is_shard(flat, v)},
+                scalars=zero._param_states(flat) if with_state else [],
+            )
+        )
+    return flats, layouts
+
+
+def _keyed(zero: ZeroOptimizer, flats: list[FlatParam]) -> list[list[str]]:
+    """Per buffer, each parameter's key in the ``torch.optim`` state (its index, as a string)."""
+    index = _param_index(zero)
+    return [[str(index[id(p)]) for p in flat.params] for flat in flats]
+
+
 @_collective("full_optimizer_state_dict")
 def full_optimizer_state_dict(zero: ZeroOptimizer) -> dict:
-    """``torch.optim``-format state over the original parameters, plus ``"loss_scaler"``.
-    Collective (an all-gather per state tensor): every rank calls it ([Note: state is collective])."""
-    index, state = _param_index(zero), {}
-    for flat in (f for f in zero.flats if f.master is not None):
-        per = [{k: _copy(v) for k, v in sc.items()} for sc in zero._param_scalars(flat)]
-        for key, v in zero._flat_state(flat).items():
-            if _is_shard(flat, v):
-                full = _gather_full(zero, v)
-                for d, off, n, shape in zip(per, flat.offsets, flat.numels, flat.shapes, strict=True):
-                    d[key] = full[off : off + n].view(shape).clone()
-        state.update({index[id(p)]: d for p, d in zip(flat.params, per, strict=True) if d})
+    """``torch.optim``-format state over the original parameters, plus ``"loss_scaler"``: a
+    parameter that never had a gradient has no entry, every entry has its ``step`` with its
+    moments (``[Note: one optimizer-state path]``). Collective (an all-gather per buffer and
+    state key): every rank calls it ([Note: state is collective])."""
+    from colossal.comm.checkpoint import gather_full_state
+
+    flats, layouts = _layouts(zero)
+    for layout, keys in zip(layouts, _keyed(zero, flats), strict=True):
+        layout.names = keys
+    full = gather_full_state(
+        layouts,
+        lambda t, b: _gather_full(zero, t),
+        group=zero.config.group,
+        distributed=dist.is_initialized(),
+    )
+    state = {int(k): v for k, v in sorted(full.items(), key=lambda kv: int(kv[0]))}
+    index = _param_index(zero)
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in orig]}
         for g, orig in zip(zero.optimizer.param_groups, zero._orig_groups, strict=True)
     ]
     return {"state": state, "param_groups": groups, "loss_scaler": zero.scaler.state_dict()}
-
-
-def _copy(v):
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _per_element(v) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() >= 1
 
 
 def _publish(zero: ZeroOptimizer) -> None:
@@ -144,26 +171,18 @@ def _publish(zero: ZeroOptimizer) -> None:
 
 
 def _check_full(zero: ZeroOptimizer, state_dict: dict, strict: bool):
-    """torch's ``load_state_dict`` rules: missing/unexpected keys are an error when ``strict``
-    (returned otherwise), a shape mismatch always is; all listed in one RuntimeError."""
+    """torch's ``load_state_dict`` rules and wording (``colossal.comm.checkpoint.check_state_dict``),
+    against the parameters' real shapes (stage 3's placeholders are empty)."""
+    from colossal.comm.checkpoint import check_state_dict
+
     expected = zero.module.state_dict(keep_vars=True)  # tied names included, like torch
     shapes = {id(p): tuple(s) for flat in zero.flats for p, s in zip(flat.params, flat.shapes, strict=True)}
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    mismatched = [
-        f"size mismatch for {k}: copying a param with shape {tuple(state_dict[k].shape)}, "
-        f"the shape in current model is {shapes.get(id(t), tuple(t.shape))}"
-        for k, t in expected.items()
-        if k in state_dict and tuple(state_dict[k].shape) != shapes.get(id(t), tuple(t.shape))
-    ]
-    errors = mismatched + (
-        [f"Missing key(s): {missing}"] * bool(missing) + [f"Unexpected key(s): {unexpected}"] * bool(unexpected)
-        if strict
-        else []
+    return check_state_dict(
+        type(zero.module).__name__,
+        {k: shapes.get(id(t), tuple(t.shape)) for k, t in expected.items()},
+        state_dict,
+        strict,
     )
-    if errors:
-        raise RuntimeError("Error(s) in loading state_dict for ZeroOptimizer:\n\t" + "\n\t".join(errors))
-    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
 @_collective("load_full_model_state_dict")
@@ -192,32 +211,25 @@ def load_full_model_state_dict(zero: ZeroOptimizer, state_dict: dict[str, torch.
 
 
 def load_full_optimizer_state_dict(zero: ZeroOptimizer, state_dict: dict) -> None:
-    """Load ``torch.optim``-format state (as :func:`full_optimizer_state_dict` writes it). No
-    communication, but every rank calls it with the full dict (each keeps its own slices)."""
+    """Load ``torch.optim``-format state (as :func:`full_optimizer_state_dict` writes it, or a plain
+    ``torch.optim`` optimizer's ``state_dict()`` over the same parameters): a parameter without an
+    entry is left without state; every problem (group count, unknown parameter, sizes) is listed in
+    one ``ValueError`` before anything changes. No communication, but every rank calls it with the
+    full dict (each keeps its own slices)."""
+    from colossal.comm.checkpoint import apply_groups, scatter_full_state
+
     groups = state_dict.get("param_groups", [])
     if len(groups) != len(zero.optimizer.param_groups):
         raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer {len(zero.optimizer.param_groups)}")
-    for g, sg in zip(zero.optimizer.param_groups, groups, strict=True):
-        g.update({k: v for k, v in sg.items() if k != "params"})
-    index = _param_index(zero)
-    for flat in (f for f in zero.flats if f.master is not None):
-        per = [state_dict["state"].get(index[id(p)]) for p in flat.params]
-        first = next((d for d in per if d), None)
-        if first is None:
-            continue
-        new = {}
-        for key, v0 in first.items():
-            if isinstance(v0, torch.Tensor) and v0.dim() > 0:
-                full = torch.zeros(flat.padded_numel, dtype=v0.dtype)
-                for d, off, n in zip(per, flat.offsets, flat.numels, strict=True):
-                    if d:
-                        full[off : off + n].copy_(d[key].reshape(-1))
-                new[key] = flat.local(full).clone().to(flat.master.device)
-            else:
-                new[key] = _copy(v0)
-        zero._set_flat_state(flat, new)
-        scalars = [{k: v for k, v in (d or first).items() if not _per_element(v)} for d in per]
-        zero._set_param_scalars(flat, scalars)  # per parameter (LARS's scale)
+    flats, layouts = _layouts(zero, with_state=False)
+    for layout, keys in zip(layouts, _keyed(zero, flats), strict=True):
+        layout.names = keys
+    entries = {str(k): v for k, v in state_dict.get("state", {}).items()}
+    shares = scatter_full_state(layouts, entries, what="this ZeroOptimizer")
+    apply_groups(zero.optimizer.param_groups, groups)
+    for flat, share in zip(flats, shares, strict=True):
+        dev = flat.master.device
+        zero._set_param_states(flat, {k: v.to(dev) for k, v in share.states.items()}, share.scalars)
     if "loss_scaler" in state_dict:
         zero.scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -229,15 +241,15 @@ def sharded_state_dict(zero: ZeroOptimizer, *, include_optimizer: bool = True) -
     for flat in zero.flats:
         vals = _values(flat).detach()
         state = zero._flat_state(flat) if include_optimizer and flat.master is not None else {}
+        scalars = zero._param_states(flat) if state else [None] * len(flat.params)
         for s in flat.slices():
             name, lo = flat.names[s.index], s.shard_start
             sd[f"model/{name}@{s.param_start}"] = vals[lo : lo + s.numel].float()
-            for key, v in state.items():
+            for key, v in state.items() if scalars[s.index] is not None else ():  # no state: no entry
                 if _is_shard(flat, v):
                     sd[f"optim/{name}/{key}@{s.param_start}"] = v.detach()[lo : lo + s.numel]
-        scalars = zero._param_scalars(flat) if state else []
         for name, sc in zip(flat.names, scalars):  # per parameter (LARS's scale)
-            for key, v in sc.items():
+            for key, v in (sc or {}).items():
                 sd[f"optim/{name}/{key}"] = v.detach() if isinstance(v, torch.Tensor) else torch.tensor(v)
     for name, t in _unmanaged(zero, managed):  # buffers, frozen parameters
         sd[f"model/{name}" if t.dim() == 0 else f"model/{name}@0"] = t.detach().reshape(t.shape if t.dim() == 0 else -1)
@@ -277,7 +289,7 @@ def save_sharded(zero: ZeroOptimizer, path: str) -> None:
     """Write this rank's slices (see the module note) with ``dcp.save``, plus its entry table
     (every entry's logical shape and dtype) and the checksums of the files it wrote. Collective
     over the default group: every rank calls it with the same ``path`` ([Note: state is collective])."""
-    from colossal.comm.checkpoint import blob, save_flat  # imports torch.distributed.checkpoint: only when saving
+    from colossal.comm.checkpoint import GROUPS_KEY, blob, groups_blob, save_flat  # imports DCP: only when saving
 
     sd = sharded_state_dict(zero)
     extra = {
@@ -285,6 +297,7 @@ def save_sharded(zero: ZeroOptimizer, path: str) -> None:
         "loss_scaler": zero.scaler.state_dict(),
     }
     sd["zero/extra"] = blob(pickle.dumps(extra))
+    sd[GROUPS_KEY] = groups_blob(zero.optimizer.param_groups)  # what every other reader of the format reads
     entries = {f"model/{n}": e for n, e in sharded_entries(zero).items()}
     save_flat(path, sd, entries, _dcp_rank())
 
@@ -324,16 +337,6 @@ def load_sharded(zero: ZeroOptimizer, path: str, *, strict: bool = True):
     return found
 
 
-def _index(metadata) -> dict[str, list[tuple[int, int, str]]]:
-    """``prefix -> [(first element, numel, key)]`` of every 1-D piece in the checkpoint."""
-    chunks: dict[str, list[tuple[int, int, str]]] = {}
-    for key, m in metadata.items():
-        head, _, start = key.rpartition("@")
-        if head and start.isdigit() and len(getattr(m, "size", ())) == 1:
-            chunks.setdefault(head, []).append((int(start), m.size[0], key))
-    return chunks
-
-
 def _wanted(zero: ZeroOptimizer, metadata, chunks: dict, include_optimizer: bool) -> set[str]:
     """Keys of the pieces overlapping this rank's slices (and of its scalars and whole entries)."""
     wanted: set[str] = set()
@@ -362,7 +365,9 @@ def load_sharded_state_dict(
     checkpoint's values in place (one ``dcp.load``; collective, every rank calls it once).
     ``skip``: entry names the checkpoint lacks that stay as they are (a non-strict load);
     every other entry must be complete (ValueError before anything changes)."""
-    chunks = _index(metadata)
+    from colossal.comm.checkpoint import piece_index
+
+    chunks = piece_index(metadata)
     _check_complete(zero, chunks, metadata, skip)
     wanted = _wanted(zero, metadata, chunks, include_optimizer)
     loaded = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in sorted(wanted)}
@@ -371,7 +376,7 @@ def load_sharded_state_dict(
     for flat in zero.flats:
         _values(flat).copy_(_assemble(flat, "model/{}", chunks, loaded, _values(flat)))
         if include_optimizer and flat.master is not None:
-            _load_flat_state(zero, flat, chunks, loaded)
+            _load_flat_state(zero, flat, chunks, loaded, skip)
     with torch.no_grad():
         for name, t in _unmanaged(zero, managed):
             if t.dim() == 0 and f"model/{name}" in loaded:
@@ -420,21 +425,23 @@ def _assemble(flat: FlatParam, pattern: str, chunks: dict, loaded: dict, base=No
     return out
 
 
-def _load_flat_state(zero: ZeroOptimizer, flat: FlatParam, chunks: dict, loaded: dict) -> None:
-    with_state = [n for n in flat.names if any(p.startswith(f"optim/{n}/") for p in [*chunks, *loaded])]
-    if not with_state:
+def _load_flat_state(zero: ZeroOptimizer, flat: FlatParam, chunks: dict, loaded: dict, skip) -> None:
+    """``flat``'s optimizer state from the loaded pieces: a parameter the checkpoint holds no state
+    for is left without state, as ``torch.optim`` loads it (``[Note: one optimizer-state path]``);
+    one a non-strict load skips (``skip``) keeps what it had."""
+    held = []  # per parameter: the per-element and the scalar state keys the checkpoint has
+    for n in flat.names:
+        head = f"optim/{n}/"
+        per = {p[len(head) :] for p in chunks if p.startswith(head)}
+        held.append((per, {k[len(head) :] for k in loaded if k.startswith(head) and "@" not in k}))
+    if not any(per or sc for per, sc in held):
         return
-    name0 = with_state[0]  # a non-strict load may lack the first parameter
-    keys = {p.split("/", 2)[2] for p in chunks if p.startswith(f"optim/{name0}/")}
-    scalars = {k.split("/", 2)[2] for k in loaded if k.startswith(f"optim/{name0}/") and "@" not in k}
-    if not keys and not scalars:
-        return
-    current = zero._flat_state(flat)
-    base = {k: current[k] if _is_shard(flat, current.get(k)) else None for k in keys}
-    state = {k: _assemble(flat, f"optim/{{}}/{k}", chunks, loaded, base[k]) for k in keys}
-    state = {k: v.to(flat.master.device) for k, v in state.items()}
-    state.update({k: loaded[f"optim/{name0}/{k}"].clone() for k in scalars})
-    zero._set_flat_state(flat, state)
-    zero._set_param_scalars(  # per parameter (LARS's scale)
-        flat, [{k: loaded[f"optim/{n}/{k}"].clone() for k in scalars if f"optim/{n}/{k}" in loaded} for n in flat.names]
-    )
+    elementwise = sorted(set().union(*(per for per, _ in held)))
+    current, before = zero._flat_state(flat), zero._param_states(flat)
+    base = {k: current[k] if _is_shard(flat, current.get(k)) else None for k in elementwise}
+    state = {k: _assemble(flat, f"optim/{{}}/{k}", chunks, loaded, base[k]).to(flat.master.device) for k in elementwise}
+    scalars = [
+        before[i] if n in skip else {k: loaded[f"optim/{n}/{k}"].clone() for k in sc} if per or sc else None
+        for i, (n, (per, sc)) in enumerate(zip(flat.names, held, strict=True))
+    ]
+    zero._set_param_states(flat, state, scalars)

@@ -274,26 +274,31 @@ class ZeroOptimizer:
             return self._views.flat_state(flat)
         return self.optimizer.state.get(flat.master, {})
 
-    def _param_scalars(self, flat: FlatParam) -> list[dict]:
-        """Scalar optimizer states per parameter of ``flat`` (one shared dict for element-wise optimizers)."""
+    def _param_states(self, flat: FlatParam) -> list[dict | None]:
+        """Per parameter of ``flat``: its scalar states (a dict, maybe empty) when it has optimizer
+        state, ``None`` when it has none (it never had a gradient: [Note: parameters without a
+        gradient]). The same on every rank: each holds a view of every parameter, empty or not."""
         if self._views is not None:
-            return self._views.param_scalars(flat)
-        shared = {k: v for k, v in self._flat_state(flat).items() if not (torch.is_tensor(v) and v.dim() >= 1)}
-        return [shared] * len(flat.params)
+            return self._views.param_states(flat)
+        state = self._flat_state(flat)
+        shared = {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() >= 1)}
+        return [shared if state else None] * len(flat.params)
 
-    def _set_param_scalars(self, flat: FlatParam, scalars: list[dict]) -> None:
-        """Per-parameter scalar states (layer-wise optimizers; element-wise ones share the flat's
-        unless they differ, e.g. a parameter skipped a step: see [Note: parameters without a gradient])."""
-        if self._views is None and any(_scalars_differ(scalars[0], sc) for sc in scalars[1:]):
+    def _set_param_states(self, flat: FlatParam, state: dict, scalars: list[dict | None]) -> None:
+        """Load ``flat``'s element-wise ``state`` (``(shard_numel,)`` tensors) and each parameter's
+        scalars, ``None`` for a parameter left without state. Element-wise rules share the flat
+        state unless parameters differ (one without state, or one that skipped a step), which
+        switches to per-parameter views ([Note: parameters without a gradient])."""
+        have = [sc for sc in scalars if sc is not None]
+        mixed = len(have) not in (0, len(scalars)) or any(_scalars_differ(have[0], sc) for sc in have[1:])
+        if self._views is None and mixed:
             self._use_param_views()
         if self._views is not None:
-            self._views.set_param_scalars(flat, scalars)
-
-    def _set_flat_state(self, flat: FlatParam, state: dict) -> None:
-        if self._views is not None:
-            self._views.set_flat_state(flat, state)
+            self._views.set_flat_state(flat, state, scalars)
+        elif have:
+            self.optimizer.state[flat.master] = {**state, **have[0]}
         else:
-            self.optimizer.state[flat.master] = state
+            self.optimizer.state.pop(flat.master, None)
 
     def _master_grads(self) -> list[torch.Tensor]:
         """fp32 ``.grad`` of every master: the reduced shard sums (moved to the CPU when offloading)."""

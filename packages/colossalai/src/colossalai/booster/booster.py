@@ -151,7 +151,7 @@ class Booster:
             criterion = MoEAuxLoss(criterion, original) if criterion is not None else None
         # A plugin whose engine casts and scales itself gets no autocast and no loss scaler here.
         precision = Precision.FP32 if self.plugin.handles_precision else self.precision
-        boosted_model = BoostedModel(wrapped, original, precision, self.plugin.device)
+        boosted_model = BoostedModel(wrapped, original, precision, self.plugin.device, plugin=self.plugin)
         if optimizer is not None and not isinstance(optimizer, BoostedOptimizer):
             optimizer = BoostedOptimizer(optimizer, self._make_scaler())
         if optimizer is not None:
@@ -251,6 +251,25 @@ class Booster:
         self._arrive("load_optimizer")
         module = optimizer.boosted_model.module
         return load_sharded(resolve_checkpoint(path), self.plugin, module, optimizer.unwrap(), strict=strict)
+
+    def optimizer_state_dict(self, optimizer: BoostedOptimizer) -> dict:
+        """The whole optimizer state on every rank, in the layout of
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for the plain model:
+        ``{"state": {name: entry}, "param_groups": [{..., "params": [names]}]}``, under the user's
+        parameter names (a tied parameter under its first name). torch's contract holds on every
+        plugin: a parameter that never had a gradient has no entry, every entry has its ``step``
+        with its moments, each group keeps its own hyperparameters. Collective (the sharded
+        plugins gather): every rank calls it."""
+        self._arrive("optimizer_state_dict")
+        return self.plugin.optimizer_state_dict(optimizer.boosted_model.module, optimizer.unwrap())
+
+    def load_optimizer_state_dict(self, optimizer: BoostedOptimizer, state: dict) -> None:
+        """Load what :meth:`optimizer_state_dict` gives (from any plugin and world size, or from a
+        plain model's ``get_optimizer_state_dict``); a parameter without an entry is left without
+        state, as ``torch.optim.Optimizer.load_state_dict`` leaves it. Every rank calls it with
+        the whole state."""
+        self._arrive("load_optimizer_state_dict")
+        self.plugin.load_optimizer_state_dict(optimizer.boosted_model.module, optimizer.unwrap(), state)
 
     def save_lr_scheduler(self, lr_scheduler, path: str | os.PathLike) -> None:
         """``torch.save`` of the scheduler state (rank 0 writes; it is identical on every rank)."""

@@ -41,7 +41,9 @@ class GeminiBoostedOptimizer(EngineBoostedOptimizer):
 class GeminiPlugin(Plugin):
     """``GeminiPlugin(placement="auto"|"static", device_memory_budget=bytes)``: parameters, gradients
     and optimizer states in chunks sharded over the data-parallel ranks and placed across device
-    and host memory under a byte budget. One model per plugin instance.
+    and host memory under a byte budget. One model per plugin instance. ``disk_dir=`` (with
+    ``host_memory_budget=`` for the auto policy, ``disk_*_frac`` for the static one) adds Gemini's
+    disk tier, as ``colossal.gemini.GeminiDDP`` takes it.
     """
 
     name = "gemini"
@@ -55,6 +57,11 @@ class GeminiPlugin(Plugin):
         chunk_size: int | None = None,
         offload_optim_frac: float = 1.0,
         offload_param_frac: float = 0.0,
+        disk_dir: str | None = None,
+        host_memory_budget: int | None = None,
+        disk_param_frac: float = 0.0,
+        disk_grad_frac: float = 0.0,
+        disk_optim_frac: float = 0.0,
     ) -> None:
         if placement not in ("auto", "static"):
             raise ValueError(f"placement must be 'auto' or 'static', got {placement!r}")
@@ -64,6 +71,20 @@ class GeminiPlugin(Plugin):
         self.gemini_kwargs = dict(
             chunk_size=chunk_size, offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac
         )
+        if disk_dir is not None:  # the disk tier (colossal.gemini.disk); GeminiDDP checks the settings
+            self.gemini_kwargs.update(
+                disk_dir=disk_dir,
+                host_memory_budget=host_memory_budget,
+                disk_param_frac=disk_param_frac,
+                disk_grad_frac=disk_grad_frac,
+                disk_optim_frac=disk_optim_frac,
+            )
+        elif host_memory_budget is not None or disk_param_frac or disk_grad_frac or disk_optim_frac:
+            raise ValueError(
+                "host_memory_budget and disk_*_frac configure Gemini's disk tier: pass disk_dir= too "
+                f"(got host_memory_budget={host_memory_budget}, disk_param_frac={disk_param_frac}, "
+                f"disk_grad_frac={disk_grad_frac}, disk_optim_frac={disk_optim_frac})"
+            )
         self.model = self.engine = None
         self._group_names: list[list[str]] = []
 

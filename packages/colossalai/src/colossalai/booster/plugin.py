@@ -87,6 +87,10 @@ class Plugin(abc.ABC):
 
     name: str = "plugin"
     """Short name used by the CLI (``--plugin NAME``)."""
+    owns_model_state: bool = False
+    """Whether the real values live in the engine rather than the module's tensors (ZeRO): then the
+    boosted model's ``state_dict`` is :meth:`full_model_state_dict` and its ``load_state_dict``
+    calls ``load_full_model_state_dict(model, state, strict=)``."""
     supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.FP16, Precision.BF16)
     """Precisions :meth:`configure` accepts."""
     handles_precision: bool = False
@@ -159,8 +163,14 @@ class Plugin(abc.ABC):
         return dcp_sd.get_optimizer_state_dict(model, optimizer)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load what :meth:`optimizer_state_dict` produced."""
-        dcp_sd.set_optimizer_state_dict(model, optimizer, state)
+        """Load what :meth:`optimizer_state_dict` produced. A parameter without an entry is left
+        without state (``torch.optim``'s rule; DCP's own strict check would refuse it), but an
+        entry for no parameter of the model is a ``ValueError`` naming it."""
+        known = set(dict(self.unwrap(model).named_parameters(remove_duplicate=False)))
+        unknown = sorted(n for n in state.get("state", {}) if n not in known)
+        if unknown:
+            raise ValueError(f"optimizer state for {unknown}, which are not parameters of the model")
+        dcp_sd.set_optimizer_state_dict(model, optimizer, state, options=dcp_sd.StateDictOptions(strict=False))
 
     # ---- checkpoints: the flat-slice format ([Note: flat-slice checkpoints]) ------------------------
     def checkpoint_pieces(self, model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:

@@ -24,14 +24,21 @@ class BoostedModel(nn.Module):
     where plain PyTorch gives ``fc.weight``. ``state_dict``, ``load_state_dict``,
     ``named_parameters`` and ``named_buffers`` therefore speak the user's names, as the checkpoint
     files of ``Booster.save_model`` do; ``named_modules`` (and so ``apply``, ``to``) still walks
-    the real tree.
+    the real tree. Where the plugin's engine holds the real values outside the module's tensors
+    (ZeRO: stage-3 parameters are freed between uses, offloaded fp32 masters are what the next step
+    reads; ``Plugin.owns_model_state``), ``state_dict`` gathers the engine's full state (collective:
+    call on every rank) and ``load_state_dict`` scatters into it, so neither reads a freed
+    placeholder nor writes values the next step would overwrite.
     """
 
-    def __init__(self, module: nn.Module, original: nn.Module, precision: Precision, device: torch.device) -> None:
+    def __init__(
+        self, module: nn.Module, original: nn.Module, precision: Precision, device: torch.device, plugin=None
+    ) -> None:
         super().__init__()
         self.module = module
         # Kept outside the module tree (no duplicate parameters in .parameters()).
         self.__dict__["_original"] = original
+        self.__dict__["_plugin"] = plugin
         self.precision = precision
         self.device = device
         self._register_load_state_dict_pre_hook(self._user_keys_to_tree)
@@ -52,6 +59,14 @@ class BoostedModel(nn.Module):
         does; else the user's module's, whose tensors the plugin's wrapper (DDP) shares."""
         if self._engine_owns_state():
             return self.module.state_dict(*args, **kwargs)
+        if getattr(self._plugin, "owns_model_state", False):
+            full = self._plugin.full_model_state_dict(self.module)
+            destination = kwargs.get("destination", args[0] if args else None)
+            if destination is None:
+                return full
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            destination.update({prefix + k: v for k, v in full.items()})  # a parent module's state_dict
+            return destination
         return self._original.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -59,6 +74,8 @@ class BoostedModel(nn.Module):
         ``torch.nn.Module.load_state_dict``; mismatches are reported under the user's names."""
         if self._engine_owns_state():
             return self.module.load_state_dict(state_dict, strict=strict)
+        if getattr(self._plugin, "owns_model_state", False):
+            return self._plugin.load_full_model_state_dict(self.module, state_dict, strict=strict)
         return self._original.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -80,6 +97,9 @@ class BoostedModel(nn.Module):
         (``module.module.`` for DDP); rename the user's keys accordingly."""
         if self._engine_owns_state():
             return
+        if getattr(self._plugin, "owns_model_state", False):  # the engine's masters hold the values
+            mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            self._plugin.load_full_model_state_dict(self.module, mine, strict=False)
         inner = next(name for name, m in super().named_modules() if m is self._original)
         if not inner:
             return

@@ -62,6 +62,7 @@ class ZeroPlugin(Plugin):
 
     name = "zero"
     handles_precision = True
+    owns_model_state = True  # the masters (and stage 3's freed parameters) are ZeRO's: BoostedModel asks it
 
     def __init__(self, *, stage: int = 2, offload: bool = False, bucket_numel: int = 2**22, prefetch: bool = True):
         if stage not in (1, 2, 3):
@@ -112,6 +113,11 @@ class ZeroPlugin(Plugin):
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full model on every rank (rank 0 writes exports). Collective: every rank calls it."""
         return self.engine.full_model_state_dict()
+
+    def load_full_model_state_dict(self, model: nn.Module, state: dict, *, strict: bool = True):
+        """A plain (full) state dict into ZeRO's masters and working parameters, strict like
+        ``torch.nn.Module.load_state_dict``; returns torch's ``_IncompatibleKeys``. Every rank calls it."""
+        return self.engine.load_full_model_state_dict(state, strict=strict)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer) -> dict:
         """ZeRO's gathered optimizer state re-keyed from indices to parameter names."""

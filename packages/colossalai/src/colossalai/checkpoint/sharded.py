@@ -62,6 +62,8 @@ def load_sharded(
     """Read ``folder/dcp`` into the model (and optimizer), resharding to the current layout, after
     the strict check (:func:`check_fits`); returns the entries a non-strict load skipped. Collective."""
     path = pathlib.Path(folder) / DCP_SUBDIR
+    if not path.is_dir() and (pathlib.Path(folder) / ".metadata").is_file():  # an engine's own save_sharded
+        path = pathlib.Path(folder)
     with torch.profiler.record_function("colossalai.checkpoint::load_sharded"), _quiet_single_process():
         reader = open_reader(path)
         found = check_fits(reader, plugin, model, optimizer, strict=strict)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "IncompatibleEntries", "unreadable"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "IncompatibleEntries", "check_state_dict", "unreadable"]
 
 
 class CheckpointError(RuntimeError):
@@ -77,3 +77,29 @@ def unreadable(path: str | os.PathLike, what: str, cause: BaseException) -> Chec
         "checkpoint (see the 'latest' pointer of the checkpoint root) or save this one again",
         path,
     )
+
+
+def check_state_dict(what: str, expected: dict[str, tuple], state: dict, strict: bool):
+    """``torch.nn.Module.load_state_dict``'s check for an engine that loads a full state dict into
+    its own storage: ``expected`` maps each key to its shape. Missing and unexpected keys are an
+    error when ``strict`` (returned otherwise), a size mismatch always is; all listed in one
+    ``RuntimeError`` worded as torch words it, before anything changes. Returns torch's
+    ``_IncompatibleKeys``."""
+    import torch
+
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    errors = [
+        f"size mismatch for {k}: copying a param with shape {state[k].shape} from checkpoint, "
+        f"the shape in current model is {torch.Size(shape)}."
+        for k, shape in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(shape)
+    ]
+    if strict:
+        if unexpected:
+            errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+        if missing:
+            errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {what}:\n\t" + "\n\t".join(errors))
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

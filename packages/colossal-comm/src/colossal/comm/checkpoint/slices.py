@@ -54,6 +54,7 @@ __all__ = [
     "fill_state",
     "groups_blob",
     "apply_groups",
+    "piece_index",
     "aliases",
     "model_entries",
 ]
@@ -80,6 +81,17 @@ def model_entries(state: dict, alias: dict[str, str]) -> dict[str, Entry]:
         for n, t in state.items()
         if n not in alias and isinstance(t, torch.Tensor)
     }
+
+
+def piece_index(metadata) -> dict[str, list[tuple[int, int, str]]]:
+    """``prefix -> [(first element, numel, key)]`` of every 1-D piece (``<prefix>@<start>``) in a
+    checkpoint's DCP ``state_dict_metadata``."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for key, m in metadata.items():
+        head, _, start = key.rpartition("@")
+        if head and start.isdigit() and len(getattr(m, "size", ())) == 1:
+            out.setdefault(head, []).append((int(start), m.size[0], key))
+    return out
 
 
 def groups_blob(groups: list[dict]) -> torch.Tensor:
@@ -157,11 +169,7 @@ class SliceReader:
             raise unreadable(meta_file, "the checkpoint metadata", e) from e
         self.metadata = metadata.state_dict_metadata
         self._storage = metadata.storage_data or {}
-        self.pieces: dict[str, list[tuple[int, int, str]]] = {}
-        for key, m in self.metadata.items():
-            head, _, start = key.rpartition("@")
-            if head and start.isdigit() and len(getattr(m, "size", ())) == 1:
-                self.pieces.setdefault(head, []).append((int(start), m.size[0], key))
+        self.pieces = piece_index(self.metadata)
         self.skip: set[str] = set()
         self._verified: set[str] = set()  # files checked once per reader
         self.read_keys: list[str] = []
@@ -266,12 +274,12 @@ class SliceReader:
 
 
 def _jobs(model_sd: dict, optim_sd: dict | None, alias: dict[str, str]):
-    """``(prefix, container, key)`` of every tensor to fill."""
+    """``(prefix, container, key, optimizer-state name or None)`` of every tensor to fill."""
     for name in model_sd:
-        yield f"model/{alias.get(name, name)}", model_sd, name
+        yield f"model/{alias.get(name, name)}", model_sd, name, None
     for name, entry in optim_sd["state"].items() if optim_sd is not None else ():
         for k in entry:
-            yield f"optim/{alias.get(name, name)}/{k}", entry, k
+            yield f"optim/{alias.get(name, name)}/{k}", entry, k, name
 
 
 def _request(reader: SliceReader, prefix: str, value) -> tuple[list[str], tuple | None]:
@@ -305,11 +313,16 @@ def _skipped(reader: SliceReader, prefix: str) -> bool:
 @torch.no_grad()
 def fill_state(reader: SliceReader, model_sd: dict, optim_sd: dict | None, alias: dict[str, str]) -> None:
     """Fill template state dicts (as :func:`pieces_from_state` takes them) in place from ``reader``:
-    one load of the overlapping pieces; the optimizer's hyperparameters too."""
+    one load of the overlapping pieces; the optimizer's hyperparameters too. A template entry for a
+    parameter the checkpoint holds no optimizer state for (one that never had a gradient; a
+    template made by a zero-gradient step has one) is removed, so the loaded optimizer has none,
+    as ``torch.optim`` would; a non-strict load's skipped parameter keeps its entry."""
     jobs, keys = [], set()
-    for prefix, container, k in _jobs(model_sd, optim_sd, alias):
+    stateless = set(optim_sd["state"]) if optim_sd is not None else set()
+    for prefix, container, k, name in _jobs(model_sd, optim_sd, alias):
         if _skipped(reader, prefix):
             continue
+        stateless.discard(name)
         wanted, target = _request(reader, prefix, container[k])
         keys.update(wanted)
         jobs.append((prefix, container, k, target))
@@ -325,5 +338,8 @@ def fill_state(reader: SliceReader, model_sd: dict, optim_sd: dict | None, alias
         elif local.numel():
             values = reader.assemble(prefix, lo, hi, loaded)
             local.copy_(values.view(container[k].shape)[box] if box is not None else values.view(local.shape))
+    for name in stateless:
+        if f"model/{alias.get(name, name)}" not in reader.skip:
+            del optim_sd["state"][name]
     if optim_sd is not None:
         apply_groups(optim_sd["param_groups"], reader.groups())
