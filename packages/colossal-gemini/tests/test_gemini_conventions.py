@@ -45,3 +45,11 @@ def test_grad_norm_and_last_grad_norm_match_torch():
     torch.testing.assert_close(opt.grad_norm(), want, rtol=1e-5, atol=0)
     assert opt.step()
     torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-5, atol=0)
+
+
+def test_a_rule_that_needs_whole_parameters_is_refused():
+    """Issue 31 item 5: Adafactor ran on Gemini's slices and drifted from torch; it is refused, naming
+    what is supported."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(TypeError, match=r"GeminiOptimizer cannot run torch.optim.Adafactor.*AdamW"):
+        GeminiOptimizer(torch.optim.Adafactor(model.parameters(), lr=0.1), None)

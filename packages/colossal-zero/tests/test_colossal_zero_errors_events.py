@@ -93,3 +93,13 @@ def test_memory_samples_and_comm_stats(stage):
         assert samples[0].model_bytes > stats["total"] > 0  # sampled before the gradient shards are dropped
         assert stats["total"] == stats["params"] + stats["grads"] + stats["optimizer_states"]
         assert set(comm) == {"all_gather", "reduce_scatter", "all_reduce"}  # all_reduce: the overflow flag
+
+
+@pytest.mark.parametrize("rule", ["Adafactor", "LBFGS", "SparseAdam"])
+def test_a_rule_that_needs_whole_parameters_is_refused(rule):
+    """Issue 31 item 5: ZeRO gives the optimizer flat slices; a shape-dependent rule is refused, naming
+    what is supported, before any communication (no process group needed to see the error)."""
+    model = nn.Linear(4, 3)
+    opt = getattr(torch.optim, rule)(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=rf"ZeroOptimizer cannot run torch.optim.{rule}.*Supported: element-wise"):
+        ZeroOptimizer(opt, model)

@@ -14,7 +14,8 @@ same length and order; it gets an empty gradient, so the rule keeps that paramet
 states, e.g. LARS's ``scale``, on every rank, which checkpoints save per parameter), and, when
 chunks are sharded, a ``norm_reducer`` that sums the per-parameter squared norms over the
 data-parallel group. Rules that need a parameter's shape
-(Adafactor) are not supported.
+(Adafactor) are refused at setup (``[Note: optimizers a sharded engine can run]`` in
+``colossal.optim.shardable``).
 
 [Note: parameters without a gradient]
 ``torch.optim`` leaves a parameter whose ``.grad`` is None untouched (no weight decay, no momentum,
@@ -39,6 +40,7 @@ from colossal.gemini.tiers import transfer
 from colossal.optim import (
     ConstantLossScaler,
     DynamicLossScaler,
+    check_shardable,
     clip_grad_norm_,
     grad_norm,
     group_norm_reducer,
@@ -74,6 +76,7 @@ class GeminiOptimizer:
     ):
         if not isinstance(optim, torch.optim.Optimizer):
             raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
+        check_shardable(optim, "GeminiOptimizer")
         if not isinstance(model, GeminiDDP):
             raise TypeError(f"model must be a GeminiDDP, got {type(model).__name__}")
         if optim.state:

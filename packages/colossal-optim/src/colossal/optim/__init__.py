@@ -10,6 +10,7 @@ from .lamb import Lamb
 from .lars import Lars
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .param_groups import large_batch_param_groups
+from .shardable import ELEMENTWISE, check_shardable
 
 __all__ = [
     "DynamicLossScaler",
@@ -23,4 +24,6 @@ __all__ = [
     "large_batch_param_groups",
     "CPUAdam",
     "HybridAdam",
+    "ELEMENTWISE",
+    "check_shardable",
 ]

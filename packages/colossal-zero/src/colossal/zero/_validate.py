@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colossal.comm import group_ranks
+from colossal.optim import check_shardable
 from colossal.zero.config import ZeroConfig
 
 __all__ = ["validate"]
@@ -16,6 +17,7 @@ def validate(optimizer: torch.optim.Optimizer, model: nn.Module, config: ZeroCon
     """Check the arguments of :class:`~colossal.zero.ZeroOptimizer`; return the parameters' device."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_shardable(optimizer, "ZeroOptimizer")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_colossal_zero", None) is not None:
