@@ -252,3 +252,108 @@ def test_an_engines_own_checkpoint_loads_through_the_booster(tmp_path):
     got = run_distributed(engines_save_booster_loads, 2, str(tmp_path), timeout=120)[0]
     for key, (loss, stray) in got.items():
         assert abs(loss - ref) <= 1e-5 * abs(ref) and not stray, (key, loss, ref, stray)
+
+
+def _scheduled(step_fn, opt, schedulers) -> list[float]:
+    """``STEPS`` steps, every scheduler stepped after each; the losses."""
+    losses = []
+    for s in range(STEPS):
+        losses.append(step_fn(s))
+        for sched in schedulers:
+            sched.step(losses[-1]) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+    return losses
+
+
+def _schedulers(opt) -> list:
+    """Three torch schedulers at once: StepLR, OneCycleLR (reads ``defaults``' betas), ReduceLROnPlateau."""
+    lrs = torch.optim.lr_scheduler
+    return [
+        lrs.StepLR(opt, 1, gamma=0.5),
+        lrs.OneCycleLR(opt, max_lr=[2e-2, 1e-2], total_steps=STEPS + 1),
+        lrs.ReduceLROnPlateau(opt, patience=0, factor=0.5),
+    ]
+
+
+def torch_surface(tmp: str) -> dict:
+    """Per wrapped optimizer (every plugin's boosted one, and ZeRO's and Gemini's own): the ways it
+    departs from a ``torch.optim.Optimizer`` under torch's LR schedulers, step hooks and state dicts."""
+    from colossal.gemini import GeminiDDP, GeminiOptimizer
+    from colossal.zero import ZeroOptimizer
+
+    model, opt = make(0)
+    ref = _scheduled(lambda s: plain_step(model, opt, s), opt, _schedulers(opt))
+    ref_lrs, ref_state = [g["lr"] for g in opt.param_groups], opt.state_dict()
+
+    def engine_steps(model, engine):
+        def step(s):
+            x, y = batch(s)
+            loss = loss_of(model(x), y)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            return loss.item()
+
+        return step
+
+    def own(key):
+        """ZeRO's or Gemini's own optimizer in a user's loop: (step function, the engine)."""
+        model, opt = make(0)
+        if key == "zero3-own":
+            engine = ZeroOptimizer(opt, model, stage=3)
+            return engine_steps(model, engine), engine
+        gem = GeminiDDP(model, chunk_size=256, device_memory_budget=1 << 20)
+        engine = GeminiOptimizer(opt, gem)
+        return engine_steps(gem, engine), engine
+
+    out = {}
+    for key in [*specs(tmp), "zero3-own", "gemini-own"]:
+        if key.endswith("-own"):
+            step_fn, wrapped = own(key)
+        else:
+            booster, bm, wrapped = boost(specs(tmp)[key], 0)
+            step_fn = lambda s, b=booster, m=bm, o=wrapped: boosted_step(b, m, o, s)  # noqa: E731
+        wrong = []
+        if not isinstance(wrapped, torch.optim.Optimizer):
+            out[key] = [f"{type(wrapped).__name__} is not a torch.optim.Optimizer"]
+            continue
+        calls = []
+        wrapped.register_step_post_hook(lambda o, args, kwargs, calls=calls: calls.append(1))
+        got = _scheduled(step_fn, wrapped, _schedulers(wrapped))
+        if any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(got, ref, strict=True)):
+            wrong.append(f"losses {got}, plain torch {ref}")
+        if [g["lr"] for g in wrapped.param_groups] != ref_lrs:
+            wrong.append(f"lr {[g['lr'] for g in wrapped.param_groups]}, plain torch {ref_lrs}")
+        if len(calls) != STEPS:
+            wrong.append(f"step post-hook ran {len(calls)} times in {STEPS} steps")
+        sd = wrapped.state_dict()
+        if sorted(sd["state"]) != sorted(ref_state["state"]):
+            wrong.append(f"state_dict() indices {sorted(sd['state'])}, plain torch {sorted(ref_state['state'])}")
+        else:
+            plain, popt = make(1)
+            popt.load_state_dict(sd)  # torch's own loader checks groups and sizes
+            far = [
+                (i, k)
+                for i, e in ref_state["state"].items()
+                for k, v in e.items()
+                if not torch.allclose(torch.as_tensor(sd["state"][i][k]), torch.as_tensor(v), rtol=1e-5, atol=1e-7)
+            ]
+            if far:
+                wrong.append(f"state_dict() entries differ from plain torch: {far}")
+            wrapped.load_state_dict(ref_state)  # and plain torch's state loads back
+        try:
+            wrapped.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+            wrong.append("add_param_group after wrapping was accepted")
+        except NotImplementedError:
+            pass
+        out[key] = wrong
+    return out
+
+
+def test_wrapped_optimizers_are_torch_optimizers_for_schedulers_hooks_and_state(tmp_path):
+    """Issue 31 item 4: torch's LR schedulers (StepLR, OneCycleLR, ReduceLROnPlateau together) run on
+    every wrapped optimizer directly and give plain torch's learning rates and losses; step hooks
+    fire once per step; ``state_dict()`` is torch's form (loads into plain AdamW) and torch's loads
+    back. Two ranks seeing the same batch = the single-process run; fp32, 1e-5 relative."""
+    results = run_distributed(torch_surface, 2, str(tmp_path), timeout=300)
+    wrong = [f"{k}: {w}" for k, ws in results[0].items() for w in ws]
+    assert not wrong, "\n".join(wrong)

@@ -40,6 +40,7 @@ from colossal.gemini.tiers import transfer
 from colossal.optim import (
     ConstantLossScaler,
     DynamicLossScaler,
+    OptimizerWrapper,
     check_shardable,
     clip_grad_norm_,
     grad_norm,
@@ -50,7 +51,7 @@ from colossal.optim import (
 __all__ = ["GeminiOptimizer"]
 
 
-class GeminiOptimizer:
+class GeminiOptimizer(OptimizerWrapper):
     """Wraps ``optim`` (built over ``model.parameters()``) to step on Gemini's fp32 master shards.
 
     Use ``optim.backward(loss)`` instead of ``loss.backward()``; several backward calls before one
@@ -62,6 +63,11 @@ class GeminiOptimizer:
     (``check_overflow=False`` turns that off for fp32/bf16), counted in ``skipped_steps``;
     ``last_grad_norm`` holds the pre-clip norm of the last clipped step; :meth:`grad_norm` reads the
     norm before stepping.
+
+    A ``torch.optim.Optimizer`` (``[Note: wrappers are optimizers]`` in ``colossal.optim.wrapper``):
+    torch's LR schedulers and step hooks work on it directly; ``param_groups`` are the wrapped
+    optimizer's (their ``params`` are the fp32 master slices); ``state_dict()`` is the full state in
+    ``torch.optim``'s form (indices over the original param groups), loadable by the plain optimizer.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class GeminiOptimizer:
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None (None disables clipping), got {max_grad_norm}")
+        self._wrap(optim)
         self.optim, self.model = optim, model
         self.manager = model.manager
         if loss_scaler is None:
@@ -109,11 +116,13 @@ class GeminiOptimizer:
         if layerwise:
             self._install_norm_reducer()
         self._whole: list[tuple[nn.Parameter, nn.Parameter]] = []  # (slice, parameter): used unsharded only
+        self._group_names: list[list[str]] = []  # per param group, its parameters' names (torch's indices)
         for group in self.optim.param_groups:
             fakes = []
+            if any(p not in m.chunk_of for p in group["params"]):
+                raise ValueError("optim holds a parameter that is not a parameter of the GeminiDDP model")
+            self._group_names.append([m.chunk_of[p][1].name for p in group["params"]])
             for p in group["params"]:
-                if p not in m.chunk_of:
-                    raise ValueError("optim holds a parameter that is not a parameter of the GeminiDDP model")
                 chunk, info = m.chunk_of[p]
                 s_lo, s_hi = chunk.shard_range(m.rank)
                 lo, hi = max(info.offset, s_lo) - s_lo, min(info.offset + info.numel, s_hi) - s_lo
@@ -174,8 +183,10 @@ class GeminiOptimizer:
                 c.has_grad = True
         return [c.grad_shard for c in self.manager.chunks]
 
-    def step(self) -> bool:
+    def step(self, closure=None) -> bool:
         """Unscale, skip on overflow, clip, step, refresh the working weights; returns False when skipped."""
+        if closure is not None:
+            raise NotImplementedError("GeminiOptimizer.step supports closure=None only")
         if self.manager.disk is not None:  # blocks on disk stream through the step (colossal.gemini.disk)
             from colossal.gemini.disk import optimizer_step
 
@@ -274,6 +285,52 @@ class GeminiOptimizer:
         self.optim.step()
         for fake, _ in pairs:
             fake.grad = None
+
+    # -- state in torch's form ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The full optimizer state as ``torch.optim`` writes it: ``state`` keyed by index over the
+        original param groups (a parameter that never had a gradient has no entry), ``param_groups``
+        with their hyperparameters and ``params`` indices, plus ``"loss_scaler"``. Loadable by the
+        plain optimizer built over the plain model. Collective (gathers): call on every rank."""
+        from colossal.gemini.checkpoint import optimizer_state_dict
+
+        sd = optimizer_state_dict(self)
+        index, groups, start = {}, [], 0
+        for g, names in zip(sd["param_groups"], self._group_names, strict=True):
+            index.update({n: start + i for i, n in enumerate(names)})
+            groups.append({**g, "params": list(range(start, start + len(names)))})
+            start += len(names)
+        state = {index[n]: v for n, v in sd["state"].items()}
+        return {"state": dict(sorted(state.items())), "param_groups": groups, "loss_scaler": sd["loss_scaler"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state as :meth:`state_dict` or a plain ``torch.optim`` optimizer over the plain model
+        writes it (every rank passes the full dict; each keeps its own slices). Strict, as torch: the
+        group count and sizes must match; every problem is listed before anything changes."""
+        from colossal.gemini.checkpoint import load_optimizer_state_dict
+
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self._group_names):
+            raise ValueError(
+                f"loaded state dict has {len(groups)} param groups, this optimizer has {len(self._group_names)}"
+            )
+        sizes = [(len(g["params"]), len(names)) for g, names in zip(groups, self._group_names, strict=True)]
+        if any(a != b for a, b in sizes):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group: "
+                f"loaded sizes {[a for a, _ in sizes]}, this optimizer's {[b for _, b in sizes]}"
+            )
+        name_of = {i: n for g, names in zip(groups, self._group_names, strict=True) for i, n in zip(g["params"], names)}
+        unknown = sorted(k for k in state_dict.get("state", {}) if k not in name_of)
+        if unknown:
+            raise ValueError(f"loaded state dict has state for unknown parameter indices {unknown}")
+        sd = {
+            "state": {name_of[i]: v for i, v in state_dict.get("state", {}).items()},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+        }
+        if "loss_scaler" in state_dict:
+            sd["loss_scaler"] = state_dict["loss_scaler"]
+        load_optimizer_state_dict(self, sd)
 
     # -- optimizer blocks (used by the placement at the end of warm-up) -----------------------------------
     def block_bytes(self, chunk: Chunk) -> int:

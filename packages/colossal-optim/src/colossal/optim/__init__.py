@@ -11,6 +11,7 @@ from .lars import Lars
 from .loss_scaler import ConstantLossScaler, DynamicLossScaler
 from .param_groups import large_batch_param_groups
 from .shardable import ELEMENTWISE, check_shardable
+from .wrapper import OptimizerWrapper
 
 __all__ = [
     "DynamicLossScaler",
@@ -26,4 +27,5 @@ __all__ = [
     "HybridAdam",
     "ELEMENTWISE",
     "check_shardable",
+    "OptimizerWrapper",
 ]

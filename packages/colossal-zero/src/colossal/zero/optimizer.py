@@ -35,13 +35,21 @@ import torch.distributed as dist
 from torch import nn
 
 from colossal.comm import all_reduce, broadcast, group_ranks, register_observer
-from colossal.optim import ConstantLossScaler, DynamicLossScaler, clip_grad_norm_, grad_norm, has_inf_or_nan
+from colossal.optim import (
+    ConstantLossScaler,
+    DynamicLossScaler,
+    OptimizerWrapper,
+    clip_grad_norm_,
+    grad_norm,
+    has_inf_or_nan,
+)
 from colossal.zero import _events, checkpoint
 from colossal.zero._flat_param import FlatParam
 from colossal.zero._layerwise import ParamShardViews, is_layerwise
 from colossal.zero._reducer import GradReducer
 from colossal.zero._validate import validate
 from colossal.zero.config import ZeroConfig
+from colossal.zero.module_state import install_module_state_hooks
 from colossal.zero.offload import master_grad, place_master
 from colossal.zero.stage3 import Stage3Engine, Unit, assign_params, find_units
 from colossal.zero.stage12 import build_buckets, gather_updated_params, start_gather_updated_params
@@ -63,13 +71,17 @@ def _duplicate_group(group):
     return mine
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerWrapper):
     """ZeRO stage 1/2/3 around ``optimizer`` for ``model`` over a data-parallel group.
 
     ``ZeroOptimizer(torch.optim.AdamW(model.parameters()), model, stage=2)``; keyword arguments
     are :class:`~colossal.zero.ZeroConfig` fields (or pass ``config=``). Stage 3 shards ``model``
     in place (hooks gather each unit's parameters when needed). Loop: ``zero.backward(loss)``
     (or ``loss.backward()`` when not using fp16), ``zero.step()``, ``zero.zero_grad()``.
+
+    A ``torch.optim.Optimizer`` (``[Note: wrappers are optimizers]`` in ``colossal.optim.wrapper``):
+    torch's LR schedulers and step hooks work on it directly; ``param_groups`` are the wrapped
+    optimizer's (their ``params`` are the fp32 master shards), ``state_dict()`` the full state.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *, config: ZeroConfig | None = None, **kw):
@@ -77,6 +89,7 @@ class ZeroOptimizer:
             raise TypeError(f"give either config= or keyword fields, not both (got {sorted(kw)})")
         self.config = cfg = config if config is not None else ZeroConfig(**kw)
         self.device = validate(optimizer, model, cfg)
+        self._wrap(optimizer)
         self.optimizer, self.module = optimizer, model
         self.world, self.replicas = cfg.world()
         self.rank = dist.get_rank(cfg.group)
@@ -114,6 +127,7 @@ class ZeroOptimizer:
         self._observer = register_observer(_CommTap(self))
         weakref.finalize(self, self._observer.remove)
         model._colossal_zero = weakref.ref(self)
+        install_module_state_hooks(self)  # model.state_dict() / load_state_dict() speak for the shards
 
     # -- construction ---------------------------------------------------------------------------
     def _build_flats(self) -> tuple[list[FlatParam], list[Unit]]:
@@ -164,11 +178,6 @@ class ZeroOptimizer:
         )
 
     # -- the training loop ----------------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's param groups (their ``params`` are the fp32 master shards)."""
-        return self.optimizer.param_groups
-
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled by the loss scale (fp16)."""
         self.scaler.scale_loss(loss).backward()

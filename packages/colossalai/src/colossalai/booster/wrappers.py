@@ -8,6 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
+from colossal.optim import OptimizerWrapper
 from colossalai.booster.precision import Precision
 
 __all__ = ["BoostedModel", "BoostedOptimizer", "EngineBoostedOptimizer"]
@@ -117,16 +118,20 @@ class BoostedModel(nn.Module):
             return self.module(*args, **kwargs)
 
 
-class BoostedOptimizer:
+class BoostedOptimizer(OptimizerWrapper):
     """Wraps a ``torch.optim.Optimizer``: ``backward(loss)``, ``step()``, ``zero_grad()``,
     ``clip_grad_norm(max_norm)``; every other attribute is the wrapped optimizer's.
 
     With a loss scaler (fp16) the loss is scaled in ``backward``; gradients are unscaled exactly
     once per step (in ``clip_grad_norm`` or ``step``), and a step with a non-finite gradient is
     skipped (``last_step_skipped``) while the scaler backs off.
+
+    A ``torch.optim.Optimizer`` (``[Note: wrappers are optimizers]`` in ``colossal.optim.wrapper``):
+    torch's LR schedulers and step hooks work on it directly.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler=None, params: list | None = None) -> None:
+        self._wrap(optimizer)
         self.optim = optimizer
         self.scaler = scaler
         self.params = params if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
@@ -227,3 +232,11 @@ class EngineBoostedOptimizer(BoostedOptimizer):
     def unwrap(self):
         """The engine (``ZeroOptimizer`` / ``GeminiOptimizer``)."""
         return self.engine
+
+    def state_dict(self) -> dict:
+        """The engine's full optimizer state in ``torch.optim``'s form (collective: every rank calls it)."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a full ``torch.optim``-form state into the engine (every rank passes the full dict)."""
+        self.engine.load_state_dict(state)

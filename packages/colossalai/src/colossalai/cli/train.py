@@ -194,7 +194,7 @@ def _profiler(args, model, optim, tokens_per_step: int):
     from colossal.profiler import Profiler
 
     inner = optim.unwrap()
-    inner = inner if isinstance(inner, torch.optim.Optimizer) else None  # engines are not Optimizers
+    inner = inner if isinstance(inner, torch.optim.Optimizer) else None  # ep x ZeRO unwraps to two engines
     return Profiler(model.unwrap(), inner, out_dir=args.profile, tokens_per_step=tokens_per_step)
 
 
