@@ -2,42 +2,73 @@
 rank's message on one line, not one traceback per rank plus torchrun's report."""
 
 import io
-import json
 import os
 import subprocess
 import sys
 
-from colossalai.cli.rank_errors import first_failure, split_launcher_noise
+from colossalai.cli.rank_errors import first_failure, record_failure, split_launcher_noise
+
+ARGV = ["train", "--plugin", "gemini", "--device-budget", "1KiB", "--nproc", "2", "--steps", "2"]
+ARGV += ["--seq-len", "32", "--batch-size", "8", "--corpus-bytes", "100000", "--progress", "plain"]
 
 
-def test_rank_failure_prints_once(tmp_path):
+def _train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "colossalai.cli", *ARGV, *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+
+
+def test_rank_failure_prints_once_in_cli_words(tmp_path):
     # A budget far too small passes the argument checks (Gemini alone knows its chunk sizes) and
     # makes every rank raise BudgetExceededError while setting up.
-    argv = ["train", "--plugin", "gemini", "--device-budget", "1KiB", "--nproc", "2", "--steps", "2"]
-    argv += ["--seq-len", "32", "--batch-size", "8", "--corpus-bytes", "100000", "--progress", "plain"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "colossalai.cli", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert proc.returncode == 1, proc
-    lines = proc.stderr.splitlines()
+    proc = _train(tmp_path)
+    assert proc.returncode == 2, proc
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
-    assert len(lines) == 2, proc.stderr
-    assert lines[0].startswith("colossalai: rank ") and " of 2 failed: BudgetExceededError: need " in lines[0]
-    folder = lines[1].rsplit(" ", 1)[1]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("colossalai train: error: --device-budget 1KiB is too small: need "), lines
+    assert "raise --device-budget to at least " in lines[0], lines
+    assert "chunk_size" not in lines[0] and "device_memory_budget" not in lines[0], lines
+    assert not list(tmp_path.glob("colossalai-errors-*")), "the traceback folder must be removed"
+
+
+def test_debug_keeps_readable_tracebacks(tmp_path):
+    proc = _train(tmp_path, "--debug")
+    assert proc.returncode == 2, proc
+    assert proc.stderr.startswith("colossalai train: error: --device-budget 1KiB is too small"), proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and "BudgetExceededError" in proc.stderr
+    folder = proc.stderr.splitlines()[-1].rsplit(" ", 1)[1]
+    assert folder.startswith(str(tmp_path)), proc.stderr
     first, failed = first_failure(folder)
-    assert first.message in lines[0] and failed >= 1
-    assert "Traceback (most recent call last)" in json.loads(first.path.read_text())["traceback"]
+    assert failed >= 1 and first.cli in proc.stderr
+    text = first.path.read_text()
+    assert text.startswith(f"rank: {first.rank}\n") and "\n\nTraceback (most recent call last):\n" in text
+    assert "\n    raise BudgetExceededError(\n" in text  # the lines as Python prints them, not escaped
 
 
 def test_first_failure_is_the_earliest(tmp_path):
     for rank, t in ((0, 5.0), (1, 2.0), (2, 2.0)):
-        record = {"rank": rank, "time": t, "message": f"E{rank}", "traceback": ""}
-        (tmp_path / f"rank{rank}.txt").write_text(json.dumps(record))
-    (tmp_path / "rank9.txt").write_text("{trunc")  # a rank killed while writing: ignored
+        record = f"rank: {rank}\nattempt: 0\ntime: {t}\nmessage: E{rank}\n\nTraceback (most recent call last):\n"
+        (tmp_path / f"rank{rank}.txt").write_text(record)
+    (tmp_path / "rank9.txt").write_text("rank: 9\nti")  # a rank killed while writing: ignored
     first, failed = first_failure(tmp_path)
     assert (first.rank, first.message, failed) == (1, "E1", 3)
+    assert first.traceback == "Traceback (most recent call last):\n" and first.cli == ""
     (tmp_path / "empty").mkdir()
     assert first_failure(tmp_path / "empty") == (None, 0)
+
+
+def test_record_is_plain_text(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    try:
+        raise ValueError("bad\nvalue")
+    except ValueError as exc:
+        record_failure(exc, tmp_path, cli="--lr is bad")
+    first, failed = first_failure(tmp_path)
+    assert (first.rank, first.message, first.cli, failed) == (3, "ValueError: bad value", "--lr is bad", 1)
+    head = (tmp_path / "rank3.txt").read_text().split("\n\n", 1)[0].splitlines()
+    assert [line.split(": ", 1)[0] for line in head] == ["rank", "attempt", "time", "message", "cli"]
+    assert first.traceback.startswith("Traceback (most recent call last):\n  File ")
 
 
 def test_launcher_noise_is_held_back():

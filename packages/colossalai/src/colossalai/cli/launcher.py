@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from colossalai.cli.rank_errors import ERRORS_ENV, first_failure, split_launcher_noise
+from colossalai.cli.rank_errors import ERRORS_ENV, first_failure, report_failure, split_launcher_noise
 
 __all__ = ["Host", "parse_hostfile", "torchrun_command", "run_script", "relaunch_under_torchrun"]
 
@@ -84,18 +84,19 @@ def _worker_target(target: list[str], module: bool) -> list[str]:
 
 
 def run_script(target: list[str], *, nproc: int, hostfile: str | None = None, port: int = 29500,
-               module: bool = False, max_restarts: int = 0) -> int:  # fmt: skip
+               module: bool = False, max_restarts: int = 0, debug: bool = False) -> int:  # fmt: skip
     """Launch ``target`` (a script and its arguments) on every host; returns the worst exit code.
 
-    On one host a failure is reported once: the first failing rank's ``Type: message`` and the
-    folder of every rank's traceback ([Note: reporting rank failures once] in
-    :mod:`colossalai.cli.rank_errors`). With ``--hostfile`` each host's output passes through as
-    torchrun prints it."""
+    On one host a failure is reported once: the first failing rank's ``Type: message`` (with
+    ``debug``, its traceback and the kept folder of every rank's) ([Note: reporting rank failures
+    once] in :mod:`colossalai.cli.rank_errors`). With ``--hostfile`` each host's output passes
+    through as torchrun prints it."""
     if not target:
         raise ValueError("colossalai run needs a script to run (e.g. colossalai run --nproc 2 train.py)")
     if hostfile is None:
         wrapped = _worker_target(target, module)
-        return _run_reporting_once(torchrun_command(nproc, wrapped, module=True, max_restarts=max_restarts), nproc)
+        cmd = torchrun_command(nproc, wrapped, module=True, max_restarts=max_restarts)
+        return _run_reporting_once(cmd, nproc, command="run", debug=debug)
     hosts = parse_hostfile(hostfile)
     master = hosts[0].name
     procs = []
@@ -109,22 +110,26 @@ def run_script(target: list[str], *, nproc: int, hostfile: str | None = None, po
     return max(p.wait() for p in procs)
 
 
-def _run_reporting_once(cmd: list[str], nproc: int) -> int:
+def _run_reporting_once(cmd: list[str], nproc: int, *, command: str, debug: bool = False) -> int:
     """Run a torchrun command whose workers record their failures; print the first failing rank's
-    message once (or, when none recorded one, torchrun's own report). Returns its exit code."""
+    message once (or, when none recorded one, torchrun's own report). The folder of the records is
+    removed at the end, unless ``debug`` and a rank failed. Returns the exit code."""
     errors = tempfile.mkdtemp(prefix="colossalai-errors-")
     env = {**os.environ, ERRORS_ENV: errors}
     env.setdefault("OMP_NUM_THREADS", "1")
-    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
-        held = split_launcher_noise(proc.stderr)
-    first, failed = first_failure(errors)
-    if proc.returncode == 0 or first is None:
-        sys.stderr.writelines(held)
-        shutil.rmtree(errors, ignore_errors=True)
-        return proc.returncode
-    print(f"colossalai: rank {first.rank} of {nproc} failed: {first.message}", file=sys.stderr)
-    print(f"colossalai: {failed} rank(s) failed; tracebacks in {errors}", file=sys.stderr)
-    return proc.returncode
+    keep = False
+    try:
+        with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+            held = split_launcher_noise(proc.stderr)
+        first, failed = first_failure(errors)
+        if proc.returncode == 0 or first is None:
+            sys.stderr.writelines(held)
+            return proc.returncode
+        keep = debug
+        return report_failure(first, failed, nproc, command=command, debug=debug)
+    finally:
+        if not keep:
+            shutil.rmtree(errors, ignore_errors=True)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -141,11 +146,12 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def relaunch_under_torchrun(nproc: int, argv: list[str]) -> int:
+def relaunch_under_torchrun(nproc: int, argv: list[str], debug: bool = False) -> int:
     """Start ``colossalai <argv>`` again as ``nproc`` torchrun workers of this host; a failure is
     reported once, as the first failing rank's message (``[Note: reporting rank failures once]``
-    in :mod:`colossalai.cli.rank_errors`). Returns torchrun's exit code."""
-    return _run_reporting_once(torchrun_command(nproc, ["colossalai.cli", *_without_nproc(argv)], module=True), nproc)
+    in :mod:`colossalai.cli.rank_errors`). Returns the exit code (2: a user's error)."""
+    cmd = torchrun_command(nproc, ["colossalai.cli", *_without_nproc(argv)], module=True)
+    return _run_reporting_once(cmd, nproc, command=argv[0] if argv else "train", debug=debug)
 
 
 def under_launcher() -> bool:

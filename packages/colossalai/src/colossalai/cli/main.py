@@ -7,17 +7,29 @@ import os
 import sys
 
 from colossalai.cli import launcher
+from colossalai.cli.flag_hints import unknown_flag_hints
 from colossalai.cli.rank_errors import ERRORS_ENV, run_recording
-from colossalai.cli.train_args import add_train_arguments
+from colossalai.cli.train_args import DEBUG_HELP, add_train_arguments
 
 __all__ = ["main", "build_parser"]
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors on one line (exit code 2, as argparse)."""
+    """argparse with its usage errors on one line (exit code 2, as argparse); an unknown flag of a
+    sub-command is reported by that sub-command, with a hint (:mod:`colossalai.cli.flag_hints`)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's, with hints
+        namespace, extras = self.parse_known_args(args, namespace)
+        if not extras:
+            return namespace
+        sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        command = getattr(namespace, "command", None)
+        parser = sub.choices[command] if sub is not None and command in sub.choices else self
+        hints = unknown_flag_hints(parser, command or "", extras)
+        parser.error("; ".join([f"unrecognized arguments: {' '.join(extras)}", *hints]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--max-restarts", type=int, default=0, help="restart every worker up to N times after a failure (torchrun)"
     )
+    run.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     run.add_argument("-m", dest="module", action="store_true", help="target is a module, as in python -m")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script (or module) and its arguments")
     sub.add_parser("check", help="report installed components, devices, backends; 2-process smoke test")
@@ -58,11 +71,32 @@ def _validate(args: argparse.Namespace, quiet: bool) -> bool:
 
 def _train_worker(args: argparse.Namespace) -> int:
     """``train`` in this process; under our own relaunch a failure is recorded for the parent to
-    print once, and the rank leaves at once (``[Note: reporting rank failures once]``)."""
+    print once, and the rank leaves at once (``[Note: reporting rank failures once]``). Alone, a
+    user's error is one line and exit code 2 (``[Note: one line for a setup error]``)."""
     from colossalai.cli.train import train
+    from colossalai.cli.user_errors import cli_message
 
-    run_recording(lambda: train(args))
+    if ERRORS_ENV in os.environ:
+        run_recording(lambda: train(args), lambda exc: cli_message(exc, args))
+        return 0
+    try:
+        train(args)
+    except Exception as exc:  # noqa: BLE001 - a user's error is one line, any other keeps its traceback
+        message = None if args.debug else cli_message(exc, args)
+        if message is None:
+            raise
+        print(f"colossalai train: error: {message}", file=sys.stderr)
+        _leave_process_group()
+        return 2
     return 0
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group ``train`` started (torch warns at exit about one left up)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             port=args.master_port,
             module=args.module,
             max_restarts=args.max_restarts,
+            debug=args.debug,
         )
     if args.nproc > 1 and not launcher.under_launcher():
-        return launcher.relaunch_under_torchrun(args.nproc, argv)
+        return launcher.relaunch_under_torchrun(args.nproc, argv, debug=args.debug)
     return _train_worker(args)
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "CORPUS_BYTES",
     "SAMPLE_TEMPERATURE",
     "SAMPLE_TOP_K",
+    "DEBUG_HELP",
     "seq_len_of",
 ]
 
@@ -43,6 +44,10 @@ byte): at 0.8 / top-k 20 a byte model broke most names, at 0.6 / top-k 10 its li
 a lower temperature risks a long run of the likeliest token (spaces at an indent), and 1.0 / top-k 3
 drifted into docstring prose. With the default BPE, 0.6 / top-k 10 gives indented Python with real
 keywords and mostly real names."""
+
+DEBUG_HELP = "on a failure, print the full traceback and keep every rank's traceback file"
+"""Help of ``--debug`` (``train`` and ``run``): without it a failure is one line and the per-rank
+traceback files are removed when the run ends ([Note: reporting rank failures once])."""
 
 SAMPLE_TOP_K = 10
 """Default top-k of the sample at the end: tokens outside the model's ten likeliest are never drawn."""
@@ -138,6 +143,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=SAMPLE_TOP_K,
         help=f"sample among the k likeliest tokens only (default {SAMPLE_TOP_K}; 0: all)",
     )
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
 
 
 def seq_len_of(args: argparse.Namespace, block_size: int) -> int:
