@@ -1,5 +1,6 @@
 """A failure inside the ranks of ``colossalai train --nproc N`` prints once: the first failing
-rank's message on one line, not one traceback per rank plus torchrun's report."""
+rank's message on one line (in the CLI's words for a user's error), not one traceback per rank
+plus torchrun's report; the records are plain text, in a folder removed at the end."""
 
 import io
 import os
@@ -12,16 +13,12 @@ ARGV = ["train", "--plugin", "gemini", "--device-budget", "1KiB", "--nproc", "2"
 ARGV += ["--seq-len", "32", "--batch-size", "8", "--corpus-bytes", "100000", "--progress", "plain"]
 
 
-def _train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "colossalai.cli", *ARGV, *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-
-
 def test_rank_failure_prints_once_in_cli_words(tmp_path):
     # A budget far too small passes the argument checks (Gemini alone knows its chunk sizes) and
     # makes every rank raise BudgetExceededError while setting up.
-    proc = _train(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "colossalai.cli", *ARGV]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 2, proc
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
     lines = proc.stderr.splitlines()
@@ -30,20 +27,6 @@ def test_rank_failure_prints_once_in_cli_words(tmp_path):
     assert "raise --device-budget to at least " in lines[0], lines
     assert "chunk_size" not in lines[0] and "device_memory_budget" not in lines[0], lines
     assert not list(tmp_path.glob("colossalai-errors-*")), "the traceback folder must be removed"
-
-
-def test_debug_keeps_readable_tracebacks(tmp_path):
-    proc = _train(tmp_path, "--debug")
-    assert proc.returncode == 2, proc
-    assert proc.stderr.startswith("colossalai train: error: --device-budget 1KiB is too small"), proc.stderr
-    assert "Traceback (most recent call last)" in proc.stderr and "BudgetExceededError" in proc.stderr
-    folder = proc.stderr.splitlines()[-1].rsplit(" ", 1)[1]
-    assert folder.startswith(str(tmp_path)), proc.stderr
-    first, failed = first_failure(folder)
-    assert failed >= 1 and first.cli in proc.stderr
-    text = first.path.read_text()
-    assert text.startswith(f"rank: {first.rank}\n") and "\n\nTraceback (most recent call last):\n" in text
-    assert "\n    raise BudgetExceededError(\n" in text  # the lines as Python prints them, not escaped
 
 
 def test_first_failure_is_the_earliest(tmp_path):

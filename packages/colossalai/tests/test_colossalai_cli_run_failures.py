@@ -1,8 +1,7 @@
 """``colossalai run`` (any script): a failure inside the ranks prints once, the first failing
-rank's ``Type: message`` and the folder of every rank's traceback, not one traceback per rank
-plus torchrun's report; ``--max-restarts N`` restarts the workers as torchrun does."""
+rank's ``Type: message`` (with ``--debug``: its traceback, and the folder of every rank's kept),
+not one traceback per rank plus torchrun's report; ``--max-restarts N`` restarts the workers as torchrun does."""
 
-import json
 import os
 import subprocess
 import sys
@@ -49,11 +48,23 @@ def test_run_failure_prints_once(tmp_path):
     lines = proc.stderr.splitlines()
     assert lines == [lines[0], lines[1]], proc.stderr
     assert lines[0] == "colossalai: rank 1 of 2 failed: ValueError: bad value 7 on rank 1", lines
-    folder = lines[1].rsplit(" ", 1)[1]
+    assert lines[1].endswith(" rank(s) failed; add --debug before the script for the traceback"), lines
+    assert not list(tmp_path.glob("colossalai-errors-*")), "the traceback folder must be removed"
+    assert "rank 0 starts" in proc.stdout and "rank 1 starts" in proc.stdout  # the script's output passes
+
+
+def test_debug_prints_the_traceback_and_keeps_the_folder(tmp_path):
+    proc = _run(tmp_path, FAILING, "--debug")
+    assert proc.returncode == 1, proc
+    assert proc.stderr.startswith("colossalai: rank 1 of 2 failed: ValueError: bad value 7 on rank 1\n")
+    assert 'raise ValueError(f"bad value 7' in proc.stderr and "ChildFailedError" not in proc.stderr
+    folder = proc.stderr.splitlines()[-1].rsplit(" ", 1)[1]
+    assert folder.startswith(str(tmp_path)), proc.stderr
     first, failed = first_failure(folder)
     assert first.rank == 1 and 1 <= failed <= 2
-    assert 'raise ValueError(f"bad value 7' in json.loads(first.path.read_text())["traceback"]
-    assert "rank 0 starts" in proc.stdout and "rank 1 starts" in proc.stdout  # the script's output passes
+    text = first.path.read_text()  # plain text: the header, a blank line, the lines Python prints
+    assert text.startswith("rank: 1\n") and "\n\nTraceback (most recent call last):\n" in text
+    assert '\n    raise ValueError(f"bad value 7 on rank {rank}")\n' in text
 
 
 def test_max_restarts_restarts_the_workers(tmp_path):
