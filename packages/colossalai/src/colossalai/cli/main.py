@@ -21,7 +21,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
-    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's, with hints
+    def parse_args(self, args=None, namespace=None):
+        """argparse's ``parse_args``; unknown flags are an error of their sub-command, with hints."""
         namespace, extras = self.parse_known_args(args, namespace)
         if not extras:
             return namespace
