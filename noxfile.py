@@ -23,6 +23,7 @@ import hashlib
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import tomllib
@@ -47,15 +48,24 @@ def _project(dist: str) -> dict:
     return tomllib.loads((PACKAGES_DIR / dist / "pyproject.toml").read_text())["project"]
 
 
+def _folders() -> dict[str, str]:
+    """Distribution name -> folder under ``packages/``: the folders keep the import-side names
+    (``packages/colossalai``, ``packages/fastfold``) while the distributions are ``colossal-stack``
+    and ``colossal-fastfold`` (the public index's ``colossalai`` is another project)."""
+    return {_project(folder)["name"]: folder for folder in PACKAGES}
+
+
 def sibling_closure(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
-    """Local packages ``dist`` needs at run time (and for ``extras``), dependencies first."""
+    """Local packages (folders) ``dist`` (a folder) needs at run time (and for ``extras``),
+    dependencies first."""
     project = _project(dist)
     reqs = list(project.get("dependencies", []))
     for extra in extras:
         reqs += project.get("optional-dependencies", {}).get(extra, [])
+    folders = _folders()
     order: list[str] = []
-    for name in _requirement_names(reqs):
-        if name in PACKAGES and name != dist:
+    for name in [folders[n] for n in _requirement_names(reqs) if n in folders]:
+        if name != dist:
             for dep in sibling_closure(name) + [name]:
                 if dep not in order:
                     order.append(dep)
@@ -263,3 +273,65 @@ def bench(session: nox.Session, package: str) -> None:
         session.install("-c", _constraints(session), "-r", str(bench_reqs))
     for script in scripts:
         session.run("python", str(script), *session.posargs)
+
+
+INSTALL_DOC = ROOT / "docs" / "install.md"
+"""Where the one-line install-from-the-tree commands live, between the two markers below; ``nox -s
+install`` runs each of them exactly as written."""
+INSTALL_BEGIN, INSTALL_END = "<!-- install-from-tree:begin -->", "<!-- install-from-tree:end -->"
+
+
+def documented_installs(path: pathlib.Path = INSTALL_DOC) -> dict[str, str]:
+    """Folder -> the documented ``pip install ...`` line that installs that package alone from a
+    checkout (the last ``./packages/<folder>`` on the line is the package it is for)."""
+    text = path.read_text()
+    block = text.split(INSTALL_BEGIN, 1)[1].split(INSTALL_END, 1)[0]
+    lines = [line.strip() for line in block.splitlines() if line.strip().startswith("pip install ")]
+    return {re.findall(r"\./packages/([\w-]+)", line)[-1]: line for line in lines}
+
+
+def _install_probe(folder: str) -> list[str]:
+    """What proves a package installed alone: it imports (``colossalai check`` for the meta-package,
+    which also warns when the imported ``colossalai`` is another project)."""
+    if folder == "colossalai":
+        return ["colossalai", "check"]
+    module = {"fastfold": "fastfold"}.get(folder, "colossal." + folder.removeprefix("colossal-").replace("-", "_"))
+    return ["python", "-c", f"import {module}; print({module}.__name__, 'imports')"]
+
+
+@nox.session
+def install(session: nox.Session) -> None:
+    """Install each package alone in a fresh venv with exactly the command ``docs/install.md`` gives
+    (run from the repository root, as a user would), then import it.
+
+    Every user-facing package must have its line (the test-only ``colossal-testkit`` must not). The
+    fresh venvs see the shared pinned torch through a ``.pth`` (as the test sessions do), so the
+    line's ``torch==2.13.0`` is already satisfied and is not reinstalled eleven times.
+    """
+    commands = documented_installs()
+    expected = sorted(p for p in PACKAGES if p != "colossal-testkit")
+    if sorted(commands) != expected:
+        session.error(f"{INSTALL_DOC}: install lines for {sorted(commands)}, expected {expected}")
+    for line in commands.values():
+        if "colossal-testkit" in line or "./packages/*" in line:
+            session.error(f"{INSTALL_DOC}: {line!r} installs the test-only colossal-testkit")
+    constraints = _constraints(session)
+    _shared_torch(session, constraints)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    shared_pth = pathlib.Path(_session_python(session, purelib)) / "_colossal_shared_torch.pth"
+    for folder in session.posargs or expected:
+        venv = pathlib.Path(session.create_tmp()) / f"venv-{folder}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("python", "-m", "venv", str(venv))
+        bindir = venv / "bin"
+        site = subprocess.run([bindir / "python", "-c", purelib], capture_output=True, text=True, check=True)
+        shutil.copy(shared_pth, pathlib.Path(site.stdout.strip()) / shared_pth.name)
+        # Not session.run: nox would put its own venv first on PATH, and `pip` must be the fresh one's.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env |= {"PATH": f"{bindir}{os.pathsep}{env['PATH']}", "VIRTUAL_ENV": str(venv)}
+        # The documented line from the repository root; the probe from elsewhere, so that it imports
+        # what was installed and nothing of the tree.
+        for command, cwd in ((commands[folder], ROOT), (shlex.join(_install_probe(folder)), venv)):
+            session.log(f"{folder}: {command}")
+            if subprocess.run(["bash", "-c", command], cwd=cwd, env=env).returncode != 0:
+                session.error(f"{folder}: {command!r} failed in a fresh venv")

@@ -33,7 +33,7 @@ ALL = {
     "colossal-moe",
     "colossal-pipeline",
     "colossal-profiler",
-    "fastfold",
+    "colossal-fastfold",
 }
 ALLOWED: dict[str, set[str]] = {
     "colossal-comm": set(),
@@ -44,8 +44,8 @@ ALLOWED: dict[str, set[str]] = {
     "colossal-moe": {"colossal-comm"},
     "colossal-pipeline": {"colossal-comm"},
     "colossal-profiler": set(),
-    "fastfold": {"colossal-comm"},
-    "colossalai": ALL,
+    "colossal-fastfold": {"colossal-comm"},
+    "colossal-stack": ALL,
     "colossal-testkit": set(),
 }
 TEST_ONLY = {"colossal-testkit"}

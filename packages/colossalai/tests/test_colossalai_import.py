@@ -6,4 +6,4 @@ import importlib.metadata
 def test_import_and_version():
     import colossalai  # noqa: F401
 
-    assert importlib.metadata.version("colossalai")
+    assert importlib.metadata.version("colossal-stack")

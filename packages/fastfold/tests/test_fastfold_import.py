@@ -6,4 +6,4 @@ import importlib.metadata
 def test_import_and_version():
     import fastfold  # noqa: F401
 
-    assert importlib.metadata.version("fastfold")
+    assert importlib.metadata.version("colossal-fastfold")

@@ -20,6 +20,10 @@ from colossalai.booster import (
     ZeroPlugin,
 )
 
+__distribution__ = "colossal-stack"
+"""This project's marker: ``colossalai check`` warns when the imported ``colossalai`` lacks it (the
+public index's ``colossalai`` is another project)."""
+
 __all__ = [
     "Booster",
     "RunState",

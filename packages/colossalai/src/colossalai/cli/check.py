@@ -12,17 +12,20 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["check", "COMPONENTS"]
+__all__ = ["check", "COMPONENTS", "DISTRIBUTION", "foreign_colossalai"]
+
+DISTRIBUTION = "colossal-stack"
+"""This project's distribution of ``import colossalai`` (the index's ``colossalai`` is another one)."""
 
 COMPONENTS = {
-    "colossalai": "colossalai",
+    DISTRIBUTION: "colossalai",
     "colossal-comm": "colossal.comm",
     "colossal-optim": "colossal.optim",
     "colossal-zero": "colossal.zero",
     "colossal-gemini": "colossal.gemini",
     "colossal-tensor-parallel": "colossal.tensor_parallel",
     "colossal-profiler": "colossal.profiler",
-    "fastfold": "fastfold",
+    "colossal-fastfold": "fastfold",
 }
 """Distribution name -> import name of every Colossal package."""
 
@@ -40,6 +43,26 @@ def _component_rows() -> list[tuple[str, str, str]]:
             version, status = version, f"import failed: {type(exc).__name__}: {exc}"
         rows.append((dist_name, version, status))
     return rows
+
+
+def foreign_colossalai() -> str | None:
+    """One warning line when the ``colossalai`` that Python imports is not this project's (for example
+    ``pip install colossalai`` put HPC-AI Tech's Colossal-AI over it), else None.
+
+    Two signs: the imported module lacks this project's marker (``colossalai.__distribution__``), or
+    another installed distribution also provides the top-level ``colossalai``.
+    """
+    module = importlib.import_module("colossalai")
+    marker = getattr(module, "__distribution__", None)
+    owners = importlib.metadata.packages_distributions().get("colossalai", [])
+    others = sorted({o for o in owners if o.lower() != DISTRIBUTION})
+    if marker == DISTRIBUTION and not others:
+        return None
+    found = f"distribution {', '.join(others)}" if others else f"no {DISTRIBUTION} marker"
+    return (
+        f"WARNING: the imported colossalai ({getattr(module, '__file__', '?')}) is not {DISTRIBUTION} "
+        f"({found}); `pip uninstall colossalai` and install this project (docs/install.md)"
+    )
 
 
 def _smoke_rank() -> float:
@@ -66,6 +89,9 @@ def check() -> int:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    foreign = foreign_colossalai()
+    if foreign:
+        console.print(foreign, style="bold red", markup=False, highlight=False)
     cuda = torch.cuda.is_available()
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
     console.print(f"python {platform.python_version()}  torch {torch.__version__}")
@@ -74,4 +100,4 @@ def check() -> int:
     console.print("backends: " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in backends.items()))
     ok = smoke_test(2)
     console.print(f"2-process gloo all_reduce smoke test: {'passed' if ok else 'FAILED'}")
-    return 0 if ok and all(r[2] == "ok" for r in rows) else 1
+    return 0 if ok and not foreign and all(r[2] == "ok" for r in rows) else 1

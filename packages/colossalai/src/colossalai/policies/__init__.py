@@ -5,7 +5,7 @@
 * the ``colossalai`` PaLM, in :mod:`.palm`.
 
 Nothing here imports ``transformers`` at module level: it is an optional extra
-(``pip install colossalai[hf]``), imported only when a Hugging Face model is sequence-parallel.
+(``pip install colossal-stack[hf]``), imported only when a Hugging Face model is sequence-parallel.
 """
 
 from colossalai.policies.hf import HF_POLICIES, HFPolicy, hf_policy
