@@ -306,7 +306,7 @@ def install(session: nox.Session) -> None:
 
     Every user-facing package must have its line (the test-only ``colossal-testkit`` must not). The
     fresh venvs see the shared pinned torch through a ``.pth`` (as the test sessions do), so the
-    line's ``torch==2.13.0`` is already satisfied and is not reinstalled eleven times.
+    line's ``torch==2.13.0`` is already satisfied and is not reinstalled for every line.
     """
     commands = documented_installs()
     expected = sorted(p for p in PACKAGES if p != "colossal-testkit")
@@ -320,7 +320,7 @@ def install(session: nox.Session) -> None:
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     shared_pth = pathlib.Path(_session_python(session, purelib)) / "_colossal_shared_torch.pth"
     for folder in session.posargs or expected:
-        venv = pathlib.Path(session.create_tmp()) / f"venv-{folder}"
+        venv = pathlib.Path(session.create_tmp()).resolve() / f"venv-{folder}"
         shutil.rmtree(venv, ignore_errors=True)
         session.run("python", "-m", "venv", str(venv))
         bindir = venv / "bin"

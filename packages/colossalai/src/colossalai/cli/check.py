@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import platform
+import re
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def foreign_colossalai() -> str | None:
     module = importlib.import_module("colossalai")
     marker = getattr(module, "__distribution__", None)
     owners = importlib.metadata.packages_distributions().get("colossalai", [])
-    others = sorted({o for o in owners if o.lower() != DISTRIBUTION})
+    others = sorted({o for o in owners if re.sub(r"[-_.]+", "-", o).lower() != DISTRIBUTION})
     if marker == DISTRIBUTION and not others:
         return None
     found = f"distribution {', '.join(others)}" if others else f"no {DISTRIBUTION} marker"
