@@ -45,5 +45,5 @@ def test_rich_bar_keeps_the_memory_field():
         shown = progress.bar.columns[2].render(task).plain  # the status column
     finally:
         progress.close()
-    assert "mem[cpu=" in shown, shown
+    assert "mem[cpu=" in shown and " cpu(peak)=" in shown, shown  # real RSS and its peak, next to the engine
     assert "comm 3.0 KiB" in shown and "tier-moves 4.0 KiB" in shown, shown

@@ -136,6 +136,7 @@ from colossal.gemini import checkpoint, events
 from colossal.gemini.chunk import Chunk, ChunkState, TensorState
 from colossal.gemini.chunk_manager import ChunkManager
 from colossal.gemini.config import GeminiConfig
+from colossal.gemini.host_memory import bound_host_allocator, rss_and_peak_bytes
 from colossal.gemini.order import first_use_order
 from colossal.gemini.placement import WarmupPolicy
 from colossal.gemini.prefetch import Prefetcher
@@ -186,6 +187,8 @@ class GeminiDDP(nn.Module):
         self.dtype = self.config.mixed_precision or torch.float32
         group = self.config.process_group
         dev = torch.device(self.config.device)
+        if self.config.disk_dir is not None or self.config.host_memory_budget is not None:
+            bound_host_allocator()  # before the chunks exist: [Note: the allocator's peak]
         self.manager = ChunkManager(
             named,
             chunk_size=self.config.chunk_size,
@@ -738,6 +741,7 @@ class GeminiDDP(nn.Module):
             else:  # skipped step (overflow): trace the next iteration afresh
                 self._fresh_trace()
         m = self.manager
+        rss, rss_peak = rss_and_peak_bytes()
         stats = GeminiStats(
             step=len(self.stats_history),
             policy=self.policy.name if not self.warmup else "warmup",
@@ -752,6 +756,8 @@ class GeminiDDP(nn.Module):
             chunks_on_host=m.chunks_on("host"),
             optim_on_device=sum(c.o_tier == "device" for c in m.chunks),
             belady_bytes=self.belady_bytes,
+            host_rss_bytes=rss,
+            host_rss_peak_bytes=rss_peak,
             **self._disk_stats(),
         )
         self.stats_history.append(stats)

@@ -609,11 +609,16 @@ def disk_grads_stats(opt, chunks: list, norm_type: float, need_norm: bool) -> tu
             continue
         if not c.has_grad:
             continue
-        g = torch.empty(c.shard_size, dtype=torch.float32)
-        disk.read_tensor(g, c.id, "grad", "grad_check")
-        amax.append(g.abs().amax().reshape(1))
-        if need_norm:
-            norms.append(torch.linalg.vector_norm(g, norm_type).reshape(1))
+        nbytes = c.shard_size * 4
+        buf = disk.buffers.get(nbytes)  # read into the aligned staging buffer: no chunk-sized temporaries
+        try:
+            disk.read_raw(buf, disk.regions[(c.id, "grad")][0], buf.numel(), c.id, "grad_check")
+            g = buf[:nbytes].view(torch.float32)
+            if need_norm:
+                norms.append(torch.linalg.vector_norm(g, norm_type).reshape(1))
+            amax.append(g.abs_().amax().reshape(1))
+        finally:
+            disk.buffers.put(buf)
     return amax, norms
 
 

@@ -48,6 +48,12 @@ class GeminiStats:
     """Disk bytes per step of the offline two-level optimum (see ``belady_two_level``), same plan."""
     host_peak_bytes: int = 0
     """Peak accounted host-tier bytes so far (with a disk tier: within ``host_memory_budget``)."""
+    host_rss_bytes: int | None = None
+    """The process's real resident memory at the end of the step (``VmRSS``: everything, not only
+    Gemini's; ``None`` without ``/proc``), to read next to the accounted ``host_peak_bytes``."""
+    host_rss_peak_bytes: int | None = None
+    """The process's peak resident memory since it started (``getrusage``'s ``ru_maxrss``, the kernel's
+    ``VmHWM``; see [Note: the allocator's peak] in ``host_memory.py``)."""
 
     @property
     def bytes_moved(self) -> int:

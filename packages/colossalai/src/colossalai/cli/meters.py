@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from colossal.gemini.host_memory import rss_and_peak_bytes
+
 __all__ = ["Meters", "format_bytes"]
 
 
@@ -30,13 +32,19 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _peak_rss_bytes() -> int:
+    peak = rss_and_peak_bytes()[1]  # VmHWM (getrusage's ru_maxrss counts a forking parent's RSS too)
+    if peak is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return peak
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
     except OSError:
-        scale = 1 if sys.platform == "darwin" else 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        return _peak_rss_bytes()
 
 
 class Meters:
@@ -94,8 +102,10 @@ class Meters:
         model.register_comm_hook(None, hook)
 
     def memory(self) -> dict[str, int]:
-        """Bytes per tier right now."""
-        mem = {"cpu": _rss_bytes()}
+        """Bytes per tier right now; ``cpu`` and ``cpu(peak)`` are the process's real resident memory and
+        its peak so far, the ``(engine)`` entries what the engine accounts (the two side by side show
+        what the allocator and temporaries add)."""
+        mem = {"cpu": _rss_bytes(), "cpu(peak)": _peak_rss_bytes()}
         if torch.cuda.is_available():
             mem["cuda"] = torch.cuda.memory_allocated()
         for tier, nbytes in self.tier_bytes.items():
