@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import torch
+
+from colossal.profiler.records import ChunkMove, MemoryPoint
 
 
 class ManualClock:
@@ -18,6 +23,22 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def chunk_move_event(chunk_id, nbytes, src, dst, start, end, reason):
+    """A chunk move as colossal.gemini publishes it (the profiler duck-types events on ``kind``)."""
+    return types.SimpleNamespace(
+        kind="chunk_move", **dataclasses.asdict(ChunkMove(chunk_id, nbytes, src, dst, start, end, reason))
+    )
+
+
+def memory_sample(time, tier, model_bytes, non_model_bytes, label):
+    """A memory sample as colossal.gemini publishes it."""
+    point = MemoryPoint(time, tier, model_bytes, non_model_bytes, label)
+    return types.SimpleNamespace(
+        kind="memory_sample",
+        **{k: getattr(point, k) for k in ("time", "tier", "model_bytes", "non_model_bytes", "label")},
+    )
 
 
 class _Handle:

@@ -1,33 +1,9 @@
 """Memory: model/non-model split, optimizer states, Gemini/ZeRO-style events per tier, chunk moves."""
 
-import dataclasses
-
 import torch
-from profiler_helpers import FakeSource, ManualClock, tiny_mlp
+from profiler_helpers import FakeSource, ManualClock, chunk_move_event, memory_sample, tiny_mlp
 
 from colossal.profiler import Profiler, model_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkMoveEvent:
-    chunk_id: int
-    nbytes: int
-    src: str
-    dst: str
-    start: float
-    end: float
-    reason: str
-    kind: str = "chunk_move"
-
-
-@dataclasses.dataclass(frozen=True)
-class MemorySample:
-    time: float
-    tier: str
-    model_bytes: int
-    non_model_bytes: int
-    label: str
-    kind: str = "memory_sample"
 
 
 def test_model_bytes_counts_params_grads_and_optimizer_states():
@@ -59,9 +35,9 @@ def test_samples_across_the_step_see_grads_and_states_appear():
 def test_gemini_like_events_per_tier():
     clock, gemini = ManualClock(start=5.0), FakeSource("colossal.gemini")
     with Profiler(clock=clock, sources=[gemini], discover=False) as prof:
-        gemini.emit(MemorySample(5.0, "cuda", 1000, 200, "after_fwd"))
-        gemini.emit(MemorySample(5.5, "cpu", 3000, 0, "after_fwd"))
-        gemini.emit(ChunkMoveEvent(7, 512, "cpu", "cuda", 5.1, 5.2, "prefetch"))
+        gemini.emit(memory_sample(5.0, "cuda", 1000, 200, "after_fwd"))
+        gemini.emit(memory_sample(5.5, "cpu", 3000, 0, "after_fwd"))
+        gemini.emit(chunk_move_event(7, 512, "cpu", "cuda", 5.1, 5.2, "prefetch"))
         gemini.emit(object())  # unknown events are ignored
     rec = prof.steps[0]
     tiers = {(p.tier, p.source): (p.model_bytes, p.non_model_bytes) for p in rec.memory if p.source != "sampler"}
@@ -76,6 +52,6 @@ def test_gemini_like_events_per_tier():
 def test_memory_off_ignores_memory_events():
     gemini = FakeSource("colossal.gemini")
     with Profiler(sources=[gemini], discover=False, memory=False) as prof:
-        gemini.emit(MemorySample(5.0, "cuda", 1000, 200, "x"))
-        gemini.emit(ChunkMoveEvent(7, 512, "cpu", "cuda", 5.1, 5.2, "prefetch"))
+        gemini.emit(memory_sample(5.0, "cuda", 1000, 200, "x"))
+        gemini.emit(chunk_move_event(7, 512, "cpu", "cuda", 5.1, 5.2, "prefetch"))
     assert prof.steps == []  # nothing recorded: the empty final step is dropped

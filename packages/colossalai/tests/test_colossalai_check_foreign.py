@@ -32,3 +32,19 @@ def test_a_module_without_our_marker_is_foreign(monkeypatch):
     monkeypatch.setattr(check.importlib, "import_module", lambda name: fake)
     warning = check.foreign_colossalai()
     assert "/site-packages/colossalai/__init__.py" in warning and "no colossal-stack marker" in warning
+
+
+def test_check_lists_every_package_the_meta_package_depends_on():
+    """#31 item 8: ``check`` left out colossal-moe and colossal-pipeline; its list now equals the
+    meta-package's own ``colossal-*`` requirements (pyproject.toml), so it cannot drift again."""
+    import pathlib
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["name"] == check.DISTRIBUTION
+    wanted = {re.match(r"[A-Za-z0-9_.-]+", d)[0] for d in pyproject["project"]["dependencies"]}
+    wanted = {d for d in wanted if d.startswith("colossal-")} | {check.DISTRIBUTION}
+    assert set(check.COMPONENTS) == wanted
+    rows = {name: status for name, _, status in check._component_rows()}
+    assert rows["colossal-moe"] == rows["colossal-pipeline"] == "ok", rows

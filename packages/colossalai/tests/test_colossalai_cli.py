@@ -36,7 +36,7 @@ def _losses(out: str) -> dict[int, float]:
 def first_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     out = _cli(*TRAIN, "--steps", "6", "--save-every", "3", "--save-dir", str(root / "ckpt"), "--tensorboard",
-               str(root / "tb"))  # fmt: skip
+               str(root / "tb"), "--profile", str(root / "prof"))  # fmt: skip
     return root, out
 
 
@@ -49,6 +49,18 @@ def test_train_shows_progress_summary_sample_and_falling_loss(first_run):
         assert column in out
     assert "colossalai train" in out and "tokens/s" in out and "sample:" in out
     assert "communicated" in out and "moved between tiers" in out and "\ufffd" not in out
+
+
+def test_train_profile_records_steady_steps_under_the_users_names(first_run):
+    """#31 item 8: --profile recorded only the warm-up step; now --profile-skip 2, --profile-steps 3."""
+    import json
+
+    root, out = first_run
+    lines = [json.loads(line) for line in (root / "prof" / "summary.rank0.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [2, 3, 4]  # 0-based: the 3rd to 5th training steps
+    names = set(lines[0]["modules"])
+    assert names and not any(n.startswith("module") for n in names), names  # the model's own paths
+    assert "profile" in out and "(steps 3-5;" in out
 
 
 def test_train_writes_tensorboard_and_checkpoints(first_run):

@@ -49,6 +49,8 @@ BAD_TRAIN = [
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["--log-every", "0"], "--log-every must be >= 1, got 0"),
     (["--sample-tokens", "-3"], "--sample-tokens must be >= 0, got -3"),
+    (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
+    (["--profile-skip", "-1"], "--profile-skip must be >= 0, got -1"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--sample-temperature", "-0.5"], "--sample-temperature must be a finite number >= 0 (0: greedy), got -0.5"),
     (["--sample-top-k", "-1"], "--sample-top-k must be >= 0 (0: all), got -1"),
@@ -167,3 +169,15 @@ def test_entry_point_exits_2_at_once_without_spawning():
     expected = "--batch-size 8 must be divisible by the data-parallel size 64 (world 64 / 1 per replica)"
     assert proc.stderr.splitlines() == [f"colossalai train: error: {expected}"]
     assert time.perf_counter() - start < 60  # import time only (a few seconds idle), no ranks
+
+
+def test_profile_window_fits_a_short_run():
+    import argparse
+
+    from colossalai.cli.train import profile_window
+
+    args = argparse.Namespace(profile_skip=2, profile_steps=3)
+    assert profile_window(args, 10) == (2, 3)
+    assert profile_window(args, 4) == (2, 2)
+    assert profile_window(args, 2) == (1, 1)  # still records the run's last step
+    assert profile_window(args, 1) == (0, 1)

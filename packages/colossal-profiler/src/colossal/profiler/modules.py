@@ -15,14 +15,29 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from colossal.profiler.spans import OpenSpan, SpanOpener
 
-__all__ = ["ModuleRecorder", "modules_to_depth"]
+__all__ = ["ModuleRecorder", "modules_to_depth", "unwrapped"]
 
 TRACK = "modules"
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside wrappers that hold it as their only child ``module`` and own no
+    parameters or buffers themselves (``DistributedDataParallel``, ``GeminiDDP``, the Booster's
+    wrappers, nested): module paths and ``module_depth`` then count from the user's model, as its
+    own ``named_modules()`` does."""
+    while True:
+        children = list(model.named_children())
+        if len(children) != 1 or children[0][0] != "module":
+            return model
+        if any(True for _ in model.parameters(recurse=False)) or any(True for _ in model.buffers(recurse=False)):
+            return model
+        model = children[0][1]
+
+
 def modules_to_depth(model: torch.nn.Module, depth: int) -> list[tuple[str, torch.nn.Module]]:
-    """``(path, module)`` for every submodule whose path has 1..``depth`` dotted parts."""
-    return [(name, mod) for name, mod in model.named_modules() if name and name.count(".") < depth]
+    """``(path, module)`` for every submodule of the user's model (:func:`unwrapped`) whose path has
+    1..``depth`` dotted parts."""
+    return [(name, mod) for name, mod in unwrapped(model).named_modules() if name and name.count(".") < depth]
 
 
 class ModuleRecorder:

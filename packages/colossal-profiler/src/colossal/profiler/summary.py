@@ -76,7 +76,14 @@ def step_summary(rec: StepRecord, figures: StepFigures, rank: int, world_size: i
     peak: dict[str, int] = {}
     for m in rec.memory:
         peak[m.tier] = max(peak.get(m.tier, 0), m.model_bytes + m.non_model_bytes)
+    moves: dict[tuple[str, str, str], dict[str, float]] = {}
+    for mv in rec.moves:
+        entry = moves.setdefault((mv.src, mv.dst, mv.reason), {"moves": 0, "bytes": 0, "time": 0.0})
+        entry["moves"] += 1
+        entry["bytes"] += mv.nbytes
+        entry["time"] += max(mv.end - mv.start, 0.0)
     return {
+        "step": rec.step,
         "rank": rank,
         "world_size": world_size,
         **{f.name: getattr(figures, f.name) for f in dataclasses.fields(figures)},  # shallow: all plain numbers
@@ -84,6 +91,7 @@ def step_summary(rec: StepRecord, figures: StepFigures, rank: int, world_size: i
         **modules,
         "peak_memory_by_tier": peak,
         "chunk_move_bytes": sum(m.nbytes for m in rec.moves),
+        "chunk_moves": [{"src": k[0], "dst": k[1], "reason": k[2], **v} for k, v in sorted(moves.items())],
         "comm_by_op": comm_by_op(rec.comm),
         "comm_by_site": comm_by_site(rec.comm),
     }

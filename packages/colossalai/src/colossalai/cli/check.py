@@ -25,10 +25,13 @@ COMPONENTS = {
     "colossal-zero": "colossal.zero",
     "colossal-gemini": "colossal.gemini",
     "colossal-tensor-parallel": "colossal.tensor_parallel",
+    "colossal-moe": "colossal.moe",
+    "colossal-pipeline": "colossal.pipeline",
     "colossal-profiler": "colossal.profiler",
     "colossal-fastfold": "fastfold",
 }
-"""Distribution name -> import name of every Colossal package."""
+"""Distribution name -> import name of every Colossal package (the meta-package and each ``colossal-*``
+distribution it depends on; a test keeps the two lists equal)."""
 
 
 def _component_rows() -> list[tuple[str, str, str]]:

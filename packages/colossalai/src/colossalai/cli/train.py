@@ -188,14 +188,24 @@ def _moe_status(model, booster: Booster) -> str:
     return f"drop {100 * n_dropped / max(n_tokens, 1):.1f}% balance {balance:.2f}"
 
 
-def _profiler(args, model, optim, tokens_per_step: int):
+def profile_window(args, steps_left: int) -> tuple[int, int]:
+    """(steps skipped, steps recorded) of ``--profile``: ``--profile-skip`` steps first (Gemini's
+    warm-up step traces every operator and the first steps pay one-time costs), then
+    ``--profile-steps``; a shorter run still records its last step(s)."""
+    skip = min(args.profile_skip, max(steps_left - 1, 0))
+    return skip, max(min(args.profile_steps, steps_left - skip), 1)
+
+
+def _profiler(args, model, optim, tokens_per_step: int, steps_left: int):
     if not args.profile:
         return contextlib.nullcontext()
-    from colossal.profiler import Profiler
+    from colossal.profiler import Profiler, Schedule
 
     inner = optim.unwrap()
     inner = inner if isinstance(inner, torch.optim.Optimizer) else None  # ep x ZeRO unwraps to two engines
-    return Profiler(model.unwrap(), inner, out_dir=args.profile, tokens_per_step=tokens_per_step)
+    skip, active = profile_window(args, steps_left)
+    schedule = Schedule(skip_first=skip, active=active)
+    return Profiler(model.unwrap(), inner, out_dir=args.profile, tokens_per_step=tokens_per_step, schedule=schedule)
 
 
 class _Logger:
@@ -246,7 +256,8 @@ def _loop(args, booster, model, optim, loader, sched, state, seq_len, rank):
     first = last = None
     batches = _batches(loader, state)
     try:
-        with _profiler(args, model, optim, args.batch_size * seq_len // booster.plugin.dp_size()) as prof:
+        tokens_per_rank = args.batch_size * seq_len // booster.plugin.dp_size()
+        with _profiler(args, model, optim, tokens_per_rank, args.steps - state.step) as prof:
             while state.step < args.steps:
                 loss = _mean_loss(_step(booster, model, optim, sched, next(batches), args), booster)
                 state.step += 1
@@ -385,6 +396,10 @@ def train(args: argparse.Namespace) -> dict:
         "wall time": f"{time.perf_counter() - t0:.1f} s",
         "checkpoint": str(args.save_dir or "-"),
     }
+    if args.profile:
+        skip, active = profile_window(args, args.steps - start)
+        first_step, last_step = start + skip + 1, start + skip + active
+        rows["profile"] = f"{args.profile} (steps {first_step}-{last_step}; colossal-profiler summarize)"
     line = _headline(args, booster, rows, meters)
     if info.rank == 0:
         from rich.console import Console

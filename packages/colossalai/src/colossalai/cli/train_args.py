@@ -127,6 +127,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, help="checkpoint (or checkpoint root) to resume from exactly")
     p.add_argument("--export", default=None, help="write a safetensors folder of the final model here")
     p.add_argument("--profile", default=None, metavar="DIR", help="colossal.profiler traces and tables into DIR")
+    p.add_argument(
+        "--profile-skip",
+        type=int,
+        default=2,
+        metavar="N",
+        help="--profile: steps run before recording (the engines' warm-up; default 2)",
+    )
+    p.add_argument("--profile-steps", type=int, default=3, metavar="N", help="--profile: steps recorded (default 3)")
     p.add_argument("--tensorboard", default=None, metavar="DIR", help="TensorBoard scalars into DIR")
     p.add_argument("--progress", default="auto", choices=["auto", "rich", "plain"], help="progress display")
     p.add_argument("--log-every", type=int, default=10, help="plain progress: print every N steps")

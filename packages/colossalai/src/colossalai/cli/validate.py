@@ -68,7 +68,7 @@ def _flag(dest: str) -> str:
 def _check_ranges(args: argparse.Namespace) -> None:
     """Counts >= 1, counts >= 0, finite positive rates."""
     at_least = {"nproc": 1, "steps": 1, "batch_size": 1, "log_every": 1, "corpus_bytes": 2}
-    at_least |= {"warmup": 0, "save_every": 0, "sample_tokens": 0, "seed": 0}
+    at_least |= {"warmup": 0, "save_every": 0, "sample_tokens": 0, "seed": 0, "profile_skip": 0, "profile_steps": 1}
     for dest, low in at_least.items():
         if getattr(args, dest) < low:
             raise UsageError(f"{_flag(dest)} must be >= {low}, got {getattr(args, dest)}")
