@@ -55,8 +55,8 @@ def test_static_placement_that_cannot_fit_names_the_setting():
 def test_config_validation():
     with pytest.raises(ValueError, match="placement must be one of"):
         GeminiDDP(GPT(GPTConfig(init="torch")), placement="greedy", device_memory_budget=BUDGET)
-    with pytest.raises(ValueError, match="device_memory_budget is required"):
-        GeminiDDP(GPT(GPTConfig(init="torch")))
+    with pytest.warns(UserWarning, match="device_memory_budget not given .* using 1 GiB"):
+        assert GeminiDDP(GPT(GPTConfig(init="torch"))).manager.device.budget == 1 << 30  # as GeminiPlugin
     with pytest.raises(ValueError, match="offload_param_frac must be in"):
         GeminiDDP(GPT(GPTConfig(init="torch")), device_memory_budget=BUDGET, offload_param_frac=1.5)
     with pytest.raises(TypeError, match="torch.nn.Module"):

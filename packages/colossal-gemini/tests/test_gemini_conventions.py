@@ -53,3 +53,16 @@ def test_a_rule_that_needs_whole_parameters_is_refused():
     model = nn.Linear(4, 3)
     with pytest.raises(TypeError, match=r"GeminiOptimizer cannot run torch.optim.Adafactor.*AdamW"):
         GeminiOptimizer(torch.optim.Adafactor(model.parameters(), lr=0.1), None)
+
+
+def test_group_and_process_group_are_one_knob():
+    """#31 item 6: ``group=`` as everywhere else, ``process_group=`` (torch FSDP's spelling) kept.
+    (Stand-ins for two groups: the config only routes them, and no process group is initialised here.)"""
+    from colossal.gemini import GeminiConfig
+
+    world, other = object(), object()
+    assert GeminiConfig(device_memory_budget=1, group=world).process_group is world
+    assert GeminiConfig(device_memory_budget=1, process_group=world).group is world
+    assert GeminiConfig(device_memory_budget=1, group=world, process_group=world).group is world
+    with pytest.raises(ValueError, match="name the same knob"):
+        GeminiConfig(device_memory_budget=1, group=world, process_group=other)

@@ -39,7 +39,7 @@ def test_gemini_boosted_state_dict_is_the_models():
     ref = _Net()
     plain = copy.deepcopy(ref)
     _train(plain, torch.optim.Adam(plain.parameters(), 1e-2), lambda loss, _: loss.backward())
-    booster = Booster(plugin=GeminiPlugin())
+    booster = Booster(plugin=GeminiPlugin(device_memory_budget="64MiB"))
     mine = copy.deepcopy(ref)
     model, opt, *_ = booster.boost(mine, torch.optim.Adam(mine.parameters(), 1e-2))
     _train(model, opt, booster.backward)
@@ -56,7 +56,9 @@ def test_gemini_boosted_state_dict_is_the_models():
 def test_gemini_refuses_an_optimizer_over_another_models_parameters():
     ref = _Net()
     with pytest.raises(ValueError, match=r"optimizer holds 6 parameter\(s\) that are not the model's"):
-        Booster(plugin=GeminiPlugin()).boost(copy.deepcopy(ref), torch.optim.Adam(ref.parameters()))
+        Booster(plugin=GeminiPlugin(device_memory_budget=1 << 26)).boost(
+            copy.deepcopy(ref), torch.optim.Adam(ref.parameters())
+        )
 
 
 def _boosted_names(plugin_names=("ddp", "zero", "fsdp")):

@@ -12,7 +12,7 @@ from colossal.comm.testing import run_distributed
 from colossalai import GeminiPlugin
 
 STEPS = 3
-CONFIGS = [dict(placement="auto", device_memory_budget=4 << 20), dict(placement="static")]
+CONFIGS = [dict(placement="auto", device_memory_budget=4 << 20), dict(placement="static", device_memory_budget="1GiB")]
 
 
 def _gemini_losses(configs):

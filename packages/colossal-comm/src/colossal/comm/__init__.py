@@ -47,12 +47,24 @@ from colossal.comm.functional import (
     reduce_scatter_along_dim,
     split_along_dim,
 )
-from colossal.comm.launch import LaunchInfo, default_backend, default_device, detect_launcher, launch
+from colossal.comm.knobs import PRECISIONS, as_bytes, as_dtype
+from colossal.comm.launch import (
+    LaunchInfo,
+    default_backend,
+    default_device,
+    detect_launcher,
+    ensure_process_group,
+    launch,
+)
 from colossal.comm.layouts import Layout2D, Layout2p5D, Layout3D
 from colossal.comm.mesh import Axis, Mesh
 from colossal.comm.meta import is_unset, mark_unset, unset_mark, unset_names
 
 __all__ = [
+    "ensure_process_group",
+    "PRECISIONS",
+    "as_bytes",
+    "as_dtype",
     "is_unset",
     "mark_unset",
     "unset_mark",

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "LaunchInfo",
     "launch",
+    "ensure_process_group",
     "detect_launcher",
     "default_device",
     "default_backend",
@@ -162,6 +163,25 @@ def launch(backend: str | None = None, timeout: float | None = None, env: dict[s
     else:
         dist.init_process_group(init_method=f"tcp://{info.master_addr}:{info.master_port}", **kwargs)
     return info
+
+
+def ensure_process_group(who: str) -> None:
+    """Make sure a default process group exists before ``who`` (an engine or a plugin) uses it.
+
+    A plain single process (no launcher variables: ``python train.py``) gets a world of one, as
+    :func:`launch` makes it, so every engine and plugin runs without ``launch()``; a process started
+    by a launcher for several ranks must call ``launch()`` itself (``ValueError`` otherwise: guessing
+    its rendezvous would hang the other ranks).
+    """
+    if dist.is_initialized():
+        return
+    info = detect_launcher()
+    if info.world_size != 1:
+        raise ValueError(
+            f"{who} needs torch.distributed initialised: this process is rank {info.rank} of "
+            f"{info.world_size} ({info.launcher}); call colossal.comm.launch() first"
+        )
+    launch()
 
 
 # [Note: a fresh store namespace per torchrun attempt]

@@ -36,10 +36,11 @@ from colossal.gemini.placement import (
     belady_two_level,
 )
 from colossal.gemini.stats import GeminiStats
-from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier, Tier, Traffic
+from colossal.gemini.tiers import CPU_DEFAULT_BUDGET, BudgetExceededError, DeviceTier, HostTier, Tier, Traffic
 from colossal.gemini.tracer import NonModelTracker, OpRecord, Trace
 
 __all__ = [
+    "CPU_DEFAULT_BUDGET",
     "AutoPolicy",
     "BeladyResult",
     "BudgetExceededError",

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from colossal.comm.knobs import as_bytes, as_dtype
+
 __all__ = ["GeminiConfig"]
 
 _PLACEMENTS = ("auto", "static")
@@ -20,18 +22,23 @@ class GeminiConfig:
 
     placement: str = "auto"
     """``"auto"`` (Belady on the traced sequence) or ``"static"`` (fixed offload fractions)."""
-    device_memory_budget: int | None = None
-    """Bytes the device tier may hold; default the real capacity on CUDA (required on CPU)."""
-    mixed_precision: torch.dtype | None = None
-    """Working precision ``torch.bfloat16`` / ``torch.float16``; ``None`` keeps fp32."""
+    device_memory_budget: int | str | None = None
+    """Bytes the device tier may hold (an int or ``"64MiB"``: ``colossal.comm.as_bytes``); default the
+    real capacity on CUDA, 1 GiB on the CPU (``CPU_DEFAULT_BUDGET``, with a warning)."""
+    mixed_precision: torch.dtype | str | None = None
+    """Working precision ``torch.bfloat16`` / ``torch.float16`` or its name (``"bf16"``, ``"fp16"``:
+    ``colossal.comm.as_dtype``); ``None`` or fp32 keeps fp32."""
     chunk_size: int | None = None
     """Elements per chunk; ``None`` searches the size that minimises padding."""
     offload_param_frac: float = 0.0
     """Static policy: fraction of working chunks homed on the host (fetched for each use)."""
     offload_optim_frac: float = 1.0
     """Static policy: fraction of optimizer blocks (fp32 master, gradient, states) on the host."""
+    group: dist.ProcessGroup | None = None
+    """Data-parallel group the chunks are sharded over (``None``: the world when initialised); ``group``
+    as in ``colossal.comm``, ``ZeroOptimizer`` and the tensor-parallel layers."""
     process_group: dist.ProcessGroup | None = None
-    """Data-parallel group the chunks are sharded over (``None``: the world when initialised)."""
+    """The same as ``group`` (torch FSDP's spelling); giving both with different groups is an error."""
     param_init_fn: Callable[[str, torch.Tensor], None] | None = None
     """Fills a meta-device parameter (by name) in place, chunk by chunk (lazy construction)."""
     keep_gathered: bool = False
@@ -57,9 +64,10 @@ class GeminiConfig:
     disk_dir: str | os.PathLike | None = None
     """Directory of the disk tier's scratch files (one per rank, unlinked at creation: see
     ``colossal.gemini.disk``); ``None``: no disk tier."""
-    host_memory_budget: int | None = None
-    """Bytes of model data (and disk I/O buffers) the host tier may hold; required with ``disk_dir`` and
-    ``placement="auto"``, which keeps optimizer blocks and working shards on the host up to it."""
+    host_memory_budget: int | str | None = None
+    """Bytes (an int or ``"64MiB"``) of model data (and disk I/O buffers) the host tier may hold;
+    required with ``disk_dir`` and ``placement="auto"``, which keeps optimizer blocks and working
+    shards on the host up to it."""
     disk_param_frac: float = 0.0
     """Static policy with ``disk_dir``: fraction of chunks (the last ones) whose working shard and fp32
     master live on disk (at most ``offload_param_frac``: disk-homed shards are fetched for each use)."""
@@ -73,12 +81,18 @@ class GeminiConfig:
     """Auto policy with ``disk_dir``: distinct chunks read ahead from disk in traced order."""
 
     def __post_init__(self):
+        if self.process_group is not None:
+            if self.group is not None and self.group is not self.process_group:
+                raise ValueError("group= and process_group= name the same knob: pass one of them, got two groups")
+            self.group = self.process_group
+        self.process_group = self.group
         if self.placement not in _PLACEMENTS:
             raise ValueError(f"placement must be one of {_PLACEMENTS}, got {self.placement!r}")
-        if self.mixed_precision not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {self.mixed_precision}"
-            )
+        if self.mixed_precision is not None:  # one spelling everywhere: colossal.comm.knobs
+            self.mixed_precision = as_dtype(self.mixed_precision, "mixed_precision")
+        for name in ("device_memory_budget", "host_memory_budget"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_bytes(getattr(self, name), name))
         for name in (
             "offload_param_frac",
             "offload_optim_frac",
@@ -113,12 +127,6 @@ class GeminiConfig:
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if n == "disk_io_threads" else 0):
                 raise ValueError(f"{n} must be an int >= {1 if n == 'disk_io_threads' else 0}, got {v!r}")
-        if self.host_memory_budget is not None and (
-            isinstance(self.host_memory_budget, bool)
-            or not isinstance(self.host_memory_budget, int)
-            or self.host_memory_budget <= 0
-        ):
-            raise ValueError(f"host_memory_budget must be a positive int of bytes, got {self.host_memory_budget!r}")
         if self.disk_dir is None:
             bad = {n: v for n, v in fracs.items() if v}
             if bad or self.host_memory_budget is not None:

@@ -185,7 +185,7 @@ class GeminiDDP(nn.Module):
         names = {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
         named = [(names[p], p) for p in params]
         self.dtype = self.config.mixed_precision or torch.float32
-        group = self.config.process_group
+        group = self.config.group
         dev = torch.device(self.config.device)
         if self.config.disk_dir is not None or self.config.host_memory_budget is not None:
             bound_host_allocator()  # before the chunks exist: [Note: the allocator's peak]

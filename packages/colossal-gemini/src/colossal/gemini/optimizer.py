@@ -332,6 +332,20 @@ class GeminiOptimizer(OptimizerWrapper):
             sd["loss_scaler"] = state_dict["loss_scaler"]
         load_optimizer_state_dict(self, sd)
 
+    def save_sharded(self, path: str) -> None:
+        """Save the model and this optimizer's shards (:func:`colossal.gemini.save_sharded`), as
+        ``ZeroOptimizer.save_sharded(path)`` does for ZeRO. Collective: every rank calls it."""
+        from colossal.gemini.checkpoint import save_sharded
+
+        save_sharded(path, self.model, self)
+
+    def load_sharded(self, path: str, *, strict: bool = True):
+        """Load a :meth:`save_sharded` checkpoint of any world size (:func:`colossal.gemini.load_sharded`:
+        strict, every mismatch listed; ``strict=False`` returns what it skipped). Collective."""
+        from colossal.gemini.checkpoint import load_sharded
+
+        return load_sharded(path, self.model, self, strict=strict)
+
     # -- optimizer blocks (used by the placement at the end of warm-up) -----------------------------------
     def block_bytes(self, chunk: Chunk) -> int:
         """Bytes of the chunk's optimizer block: fp32 master + fp32 gradient + optimizer states."""

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 
 from colossal.gemini import events
 
-__all__ = ["Tier", "DeviceTier", "HostTier", "BudgetExceededError", "Traffic", "transfer"]
+__all__ = ["CPU_DEFAULT_BUDGET", "Tier", "DeviceTier", "HostTier", "BudgetExceededError", "Traffic", "transfer"]
+
+CPU_DEFAULT_BUDGET = 1 << 30
+"""Device budget when the compute device is the CPU and none is given (1 GiB, accounted: the "device"
+is host memory there); the same in ``GeminiDDP`` and ``GeminiPlugin``, announced by a warning."""
 
 
 class BudgetExceededError(RuntimeError):
@@ -83,16 +88,24 @@ class Tier:
 
 
 class DeviceTier(Tier):
-    """The compute device with a byte budget (default: its real capacity on CUDA; required on CPU)."""
+    """The compute device with a byte budget (default: its real capacity on CUDA, :data:`CPU_DEFAULT_BUDGET`
+    on the CPU)."""
 
     name = "device"
 
     def __init__(self, device: torch.device | str, budget: int | None = None):
         device = torch.device(device)
         if budget is None:
-            if device.type != "cuda":
-                raise ValueError("device_memory_budget is required when the compute device is the CPU, got None")
-            budget = torch.cuda.get_device_properties(device).total_memory
+            if device.type == "cuda":
+                budget = torch.cuda.get_device_properties(device).total_memory
+            else:
+                warnings.warn(
+                    "device_memory_budget not given and the compute device is the CPU: using 1 GiB "
+                    "(CPU_DEFAULT_BUDGET; the 'device' is host memory, and the budget is what makes Gemini "
+                    "offload); pass e.g. device_memory_budget='4GiB' to choose",
+                    stacklevel=4,
+                )
+                budget = CPU_DEFAULT_BUDGET
         if not isinstance(budget, int) or budget <= 0:
             raise ValueError(f"device_memory_budget must be a positive int of bytes, got {budget!r}")
         super().__init__(device, budget)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from colossal.comm import group_ranks
+from colossal.comm import ensure_process_group, group_ranks
 from colossal.optim import check_shardable
 from colossal.zero.config import ZeroConfig
 
@@ -22,8 +22,7 @@ def validate(optimizer: torch.optim.Optimizer, model: nn.Module, config: ZeroCon
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_colossal_zero", None) is not None:
         raise ValueError("model is already managed by a ZeroOptimizer; wrap each model once")
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed must be initialised first (e.g. colossal.comm.launch())")
+    ensure_process_group("ZeroOptimizer")  # a plain process: a world of one, as GeminiDDP and the plugins
     _check_groups(config)
     _check_optimizer_params(optimizer, model)
     return _check_device(model, config)

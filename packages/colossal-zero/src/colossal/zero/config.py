@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from colossal.comm.knobs import as_dtype
+
 __all__ = ["ZeroConfig", "ShardStrategy"]
 
 
@@ -25,9 +27,6 @@ class ShardStrategy(enum.IntEnum):
     """Stage 3 (P_os+g+p): also parameters (gathered per module just before use, freed after)."""
 
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ZeroConfig:
     """Everything :class:`~colossal.zero.ZeroOptimizer` can be told; validated on construction."""
@@ -39,9 +38,12 @@ class ZeroConfig:
     replicate_group: ProcessGroup | None = None
     """Optional outer replicate group (HSDP): shards are identical across it and gradients are
     all-reduced over it after the reduce-scatter. Every stage."""
-    param_dtype: torch.dtype = torch.float32
-    """Dtype of the working parameters and of gradient communication (fp32, fp16 or bf16).
-    Master weights and optimizer states are always fp32."""
+    param_dtype: torch.dtype | str = torch.float32
+    """Dtype of the working parameters and of gradient communication (fp32, fp16 or bf16, or their
+    names: ``colossal.comm.as_dtype``). Master weights and optimizer states are always fp32."""
+    mixed_precision: torch.dtype | str | None = None
+    """The same knob under the name ``GeminiDDP`` and the ``Booster`` use (``torch.bfloat16`` or
+    ``"bf16"``, ...): sets ``param_dtype``; giving both with different values is an error."""
     initial_scale: float = 2.0**16
     """fp16 only: initial dynamic loss scale."""
     growth_interval: int = 1000
@@ -82,8 +84,14 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
-        if self.param_dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"param_dtype must be one of {_FLOAT_DTYPES}, got {self.param_dtype}")
+        self.param_dtype = as_dtype(self.param_dtype, "param_dtype")
+        if self.mixed_precision is not None:
+            precision = as_dtype(self.mixed_precision, "mixed_precision")
+            if self.param_dtype not in (torch.float32, precision):
+                raise ValueError(
+                    f"mixed_precision={self.mixed_precision!r} and param_dtype={self.param_dtype} disagree: pass one"
+                )
+            self.param_dtype = precision
         for name in ("group", "replicate_group"):
             value = getattr(self, name)
             if value is dist.GroupMember.NON_GROUP_MEMBER:

@@ -112,7 +112,7 @@ class Booster:
     def __init__(
         self,
         plugin: Plugin | None = None,
-        mixed_precision: str | Precision | None = None,
+        mixed_precision: str | torch.dtype | Precision | None = None,
         *,
         checkpoint_timeout: float = DEFAULT_ARRIVAL_TIMEOUT,
         moe_aux_loss: bool = True,

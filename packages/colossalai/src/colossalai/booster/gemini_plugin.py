@@ -13,6 +13,8 @@ import contextlib
 import torch
 from torch import nn
 
+from colossal.comm.knobs import as_bytes
+from colossal.gemini.tiers import CPU_DEFAULT_BUDGET
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
 from colossalai.booster.precision import Precision
@@ -20,9 +22,6 @@ from colossalai.booster.wrappers import EngineBoostedOptimizer
 from colossalai.checkpoint.slices import GROUPS_KEY, apply_groups, groups_blob
 
 __all__ = ["GeminiPlugin", "GeminiBoostedOptimizer", "CPU_DEFAULT_BUDGET"]
-
-CPU_DEFAULT_BUDGET = 1 << 30
-"""Device budget used on CPU-only machines when none is given (1 GiB; Gemini enforces it by accounting)."""
 
 
 class GeminiBoostedOptimizer(EngineBoostedOptimizer):
@@ -53,23 +52,31 @@ class GeminiPlugin(Plugin):
         self,
         *,
         placement: str = "auto",
-        device_memory_budget: int | None = None,
+        device_memory_budget: int | str | None = None,
         chunk_size: int | None = None,
         offload_optim_frac: float = 1.0,
         offload_param_frac: float = 0.0,
+        prefetch: int = 2,
         disk_dir: str | None = None,
-        host_memory_budget: int | None = None,
+        host_memory_budget: int | str | None = None,
         disk_param_frac: float = 0.0,
         disk_grad_frac: float = 0.0,
         disk_optim_frac: float = 0.0,
     ) -> None:
         if placement not in ("auto", "static"):
             raise ValueError(f"placement must be 'auto' or 'static', got {placement!r}")
-        if device_memory_budget is not None and device_memory_budget <= 0:
-            raise ValueError(f"device_memory_budget must be a positive byte count, got {device_memory_budget}")
+        if device_memory_budget is not None:  # the knobs as GeminiDDP reads them (colossal.comm.knobs)
+            device_memory_budget = as_bytes(device_memory_budget, "device_memory_budget")
+        if host_memory_budget is not None:
+            host_memory_budget = as_bytes(host_memory_budget, "host_memory_budget")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {prefetch!r}")
         self.placement, self.budget = placement, device_memory_budget
         self.gemini_kwargs = dict(
-            chunk_size=chunk_size, offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac
+            chunk_size=chunk_size,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            prefetch=prefetch,
         )
         if disk_dir is not None:  # the disk tier (colossal.gemini.disk); GeminiDDP checks the settings
             self.gemini_kwargs.update(
@@ -107,7 +114,7 @@ class GeminiPlugin(Plugin):
                 f"(shapes {foreign[:5]}); build it over the model you boost: optimizer(model.parameters())"
             )
         self._group_names = [[current[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        budget = self.budget or (CPU_DEFAULT_BUDGET if self.device.type == "cpu" else None)
+        budget = self.budget  # None: GeminiDDP's default (the card's capacity; CPU_DEFAULT_BUDGET on the CPU)
         mp = None if precision is Precision.FP32 else precision.dtype
         with torch.profiler.record_function("colossalai.booster::gemini_wrap"):
             self.model = GeminiDDP(model, placement=self.placement, device_memory_budget=budget, mixed_precision=mp,

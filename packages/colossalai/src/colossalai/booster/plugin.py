@@ -19,6 +19,7 @@ import torch.distributed.checkpoint.state_dict as dcp_sd
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from colossal.comm import ensure_process_group
 from colossalai.booster.precision import Precision
 from colossalai.checkpoint.slices import aliases, fill_state, model_entries, pieces_from_state
 from colossalai.data.dataset import ResumableDistributedSampler
@@ -42,26 +43,6 @@ def world_size() -> int:
 def world_rank() -> int:
     """Global rank (0 when torch.distributed is not initialised)."""
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def ensure_process_group(plugin: str) -> None:
-    """Make sure a default process group exists before ``plugin`` wraps a model.
-
-    A plain single process (no launcher variables: ``python train.py``) gets a world of one, as
-    :func:`colossal.comm.launch` makes it, so every plugin runs without ``launch()``; a process
-    started by a launcher for several ranks must call ``launch()`` itself (ValueError otherwise).
-    """
-    if dist.is_initialized():
-        return
-    from colossal.comm import detect_launcher, launch
-
-    info = detect_launcher()
-    if info.world_size != 1:
-        raise ValueError(
-            f"{plugin} needs torch.distributed initialised: this process is rank {info.rank} of "
-            f"{info.world_size} ({info.launcher}); call colossal.comm.launch() first"
-        )
-    launch()
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

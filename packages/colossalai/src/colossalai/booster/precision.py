@@ -6,6 +6,8 @@ import enum
 
 import torch
 
+from colossal.comm.knobs import as_dtype
+
 __all__ = ["Precision", "parse_precision"]
 
 
@@ -25,13 +27,11 @@ class Precision(enum.StrEnum):
         return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.value]
 
 
-def parse_precision(value: str | Precision | None) -> Precision:
-    """``None`` -> FP32; accepts the names above (and ``"no"``/``"float32"`` aliases)."""
+def parse_precision(value: str | torch.dtype | Precision | None) -> Precision:
+    """``None`` -> FP32; otherwise what every engine accepts (``colossal.comm.as_dtype``): a torch
+    dtype (``torch.bfloat16``) or a name (``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"half"``, ``"fp32"``,
+    ``"no"``)."""
     if value is None or isinstance(value, Precision):
         return value or Precision.FP32
-    aliases = {"no": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
-    name = aliases.get(str(value).lower(), str(value).lower())
-    try:
-        return Precision(name)
-    except ValueError:
-        raise ValueError(f"mixed_precision must be one of {[p.value for p in Precision]}, got {value!r}") from None
+    dtype = as_dtype(value, "mixed_precision")
+    return {torch.float32: Precision.FP32, torch.float16: Precision.FP16, torch.bfloat16: Precision.BF16}[dtype]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from colossal.comm.knobs import as_bytes
 from colossalai.booster.registry import PLUGINS
 from colossalai.models import MODELS
 
@@ -159,14 +160,6 @@ def seq_len_of(args: argparse.Namespace, block_size: int) -> int:
     return args.seq_len or min(SEQ_LEN, block_size)
 
 
-def parse_bytes(text: str | None) -> int | None:
-    """'2GiB' / '512MB' / '1e9' -> bytes."""
-    if text is None:
-        return None
-    units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
-    s = text.strip().lower()
-    unit = next((u for u in units if s.endswith(u)), "")
-    try:
-        return int(float(s[: len(s) - len(unit)]) * units.get(unit, 1))
-    except ValueError:
-        raise ValueError(f"--device-budget must look like '2GiB', '512MB' or a byte count, got {text!r}") from None
+def parse_bytes(text: str | None, flag: str = "--device-budget") -> int | None:
+    """'2GiB' / '512MB' / '1e9' -> bytes, as every Python API reads a budget (``colossal.comm.as_bytes``)."""
+    return None if text is None else as_bytes(text, flag)

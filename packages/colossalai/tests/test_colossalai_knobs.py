@@ -1,0 +1,77 @@
+"""#31 item 6: one name and one type per knob. Every entry point that takes a precision or a byte
+budget accepts the same spellings (a torch dtype or "bf16"; an int or "64MiB") with the same result,
+and refuses the same bad values with a message naming the knob; GeminiPlugin and GeminiDDP default
+the CPU budget alike (1 GiB, with a warning), and the plugin takes GeminiDDP's prefetch."""
+
+import pytest
+import torch
+
+from colossal.gemini import GeminiDDP
+from colossal.zero import ZeroConfig
+from colossalai import Booster, GeminiPlugin
+from colossalai.booster.precision import Precision
+
+
+def _gemini(**kw):
+    return GeminiDDP(torch.nn.Linear(8, 8), **{"device_memory_budget": 1 << 20, **kw})
+
+
+@pytest.mark.parametrize("spelling", [torch.bfloat16, "bf16", "bfloat16"])
+def test_precision_spellings_agree_everywhere(spelling):
+    assert _gemini(mixed_precision=spelling).dtype is torch.bfloat16
+    assert ZeroConfig(mixed_precision=spelling).param_dtype is torch.bfloat16
+    assert ZeroConfig(param_dtype=spelling).param_dtype is torch.bfloat16
+    assert Booster(mixed_precision=spelling).precision is Precision.BF16
+
+
+def test_bad_precision_is_refused_alike():
+    for make in (
+        lambda: _gemini(mixed_precision="bf17"),
+        lambda: ZeroConfig(mixed_precision="bf17"),
+        lambda: Booster(mixed_precision="bf17"),
+    ):
+        with pytest.raises(ValueError, match=r"mixed_precision must be a torch dtype or one of \[.*'bf16'.*got 'bf17'"):
+            make()
+    with pytest.raises(ValueError, match="param_dtype must be torch.float32"):
+        ZeroConfig(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match="mixed_precision='fp16' and param_dtype=torch.bfloat16 disagree"):
+        ZeroConfig(mixed_precision="fp16", param_dtype="bf16")
+
+
+@pytest.mark.parametrize("spelling", [1 << 20, "1MiB", "1 mib", float(1 << 20)])
+def test_budget_spellings_agree_everywhere(spelling):
+    gem = _gemini(device_memory_budget=spelling)
+    assert gem.manager.device.budget == 1 << 20
+    assert GeminiPlugin(device_memory_budget=spelling).budget == 1 << 20
+
+
+def test_bad_budget_is_refused_alike():
+    for make in (lambda: _gemini(device_memory_budget="2XB"), lambda: GeminiPlugin(device_memory_budget="2XB")):
+        with pytest.raises(ValueError, match="device_memory_budget must look like '64MiB'.*got '2XB'"):
+            make()
+    for make in (lambda: _gemini(device_memory_budget=0), lambda: GeminiPlugin(device_memory_budget=0)):
+        with pytest.raises(ValueError, match="device_memory_budget must be a positive byte count, got 0"):
+            make()
+    with pytest.raises(ValueError, match="host_memory_budget must look like"):
+        GeminiPlugin(device_memory_budget="1MiB", host_memory_budget="lots", disk_dir="/tmp")
+
+
+def test_gemini_plugin_and_gemini_default_the_cpu_budget_alike_and_say_so():
+    from colossal.gemini import CPU_DEFAULT_BUDGET
+
+    with pytest.warns(UserWarning, match="device_memory_budget not given and the compute device is the CPU"):
+        assert GeminiDDP(torch.nn.Linear(8, 8)).manager.device.budget == CPU_DEFAULT_BUDGET
+    model = torch.nn.Linear(8, 8)
+    booster = Booster(plugin=GeminiPlugin())
+    with pytest.warns(UserWarning, match="using 1 GiB"):
+        booster.boost(model, torch.optim.Adam(model.parameters()))
+    assert booster.plugin.model.manager.device.budget == CPU_DEFAULT_BUDGET
+
+
+def test_gemini_plugin_passes_prefetch():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    booster = Booster(plugin=GeminiPlugin(device_memory_budget="1MiB", prefetch=0))
+    boosted, *_ = booster.boost(model, torch.optim.Adam(model.parameters()))
+    assert booster.plugin.model.config.prefetch == 0  # the GeminiDDP inside
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        GeminiPlugin(device_memory_budget="1MiB", prefetch=-1)
