@@ -279,10 +279,17 @@ class DiskTier(Tier):
         if t.device.type == "cpu" and (not self.direct or (t.data_ptr() % _ALIGN == 0 and nbytes % _ALIGN == 0)):
             self.read_raw(t, off, nbytes, chunk_id, why)
             return
+        with self.staged(chunk_id, kind, nbytes, why) as buf:
+            t.view(-1).copy_(buf.view(t.dtype))
+
+    @contextlib.contextmanager
+    def staged(self, chunk_id: int, kind: str, nbytes: int, why: str = "disk_read"):
+        """The first ``nbytes`` of the chunk's ``kind`` region, read into a reusable aligned I/O buffer
+        (a uint8 view, valid inside the block): no allocation per read."""
         buf = self.buffers.get(nbytes)
         try:
-            self.read_raw(buf, off, buf.numel(), chunk_id, why)
-            t.view(-1).copy_(buf[:nbytes].view(t.dtype))
+            self.read_raw(buf, self.regions[(chunk_id, kind)][0], buf.numel(), chunk_id, why)
+            yield buf[:nbytes]
         finally:
             self.buffers.put(buf)
 
@@ -609,16 +616,11 @@ def disk_grads_stats(opt, chunks: list, norm_type: float, need_norm: bool) -> tu
             continue
         if not c.has_grad:
             continue
-        nbytes = c.shard_size * 4
-        buf = disk.buffers.get(nbytes)  # read into the aligned staging buffer: no chunk-sized temporaries
-        try:
-            disk.read_raw(buf, disk.regions[(c.id, "grad")][0], buf.numel(), c.id, "grad_check")
-            g = buf[:nbytes].view(torch.float32)
+        with disk.staged(c.id, "grad", c.shard_size * 4, "grad_check") as buf:  # no chunk-sized temporaries
+            g = buf.view(torch.float32)
             if need_norm:
                 norms.append(torch.linalg.vector_norm(g, norm_type).reshape(1))
             amax.append(g.abs_().amax().reshape(1))
-        finally:
-            disk.buffers.put(buf)
     return amax, norms
 
 

@@ -36,7 +36,7 @@ try:
 except ImportError:  # Windows
     resource = None
 
-__all__ = ["MMAP_THRESHOLD", "bound_host_allocator", "peak_rss_bytes", "rss_and_peak_bytes", "rss_bytes"]
+__all__ = ["MMAP_THRESHOLD", "bound_host_allocator", "rss_and_peak_bytes"]
 
 MMAP_THRESHOLD = 128 << 10
 """Bytes from which every allocation is its own mapping once :func:`bound_host_allocator` ran."""
@@ -90,14 +90,3 @@ def rss_and_peak_bytes() -> tuple[int | None, int | None]:
     if peak is None and resource is not None:  # not Linux: ru_maxrss (after fork: the parent's too)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return rss, peak
-
-
-def rss_bytes() -> int | None:
-    """The process's resident set size now (``VmRSS``), ``None`` where ``/proc`` is absent."""
-    return rss_and_peak_bytes()[0]
-
-
-def peak_rss_bytes() -> int | None:
-    """The process's peak resident set size since it started (``VmHWM``; ``getrusage`` without
-    ``/proc``)."""
-    return rss_and_peak_bytes()[1]

@@ -52,8 +52,8 @@ class GeminiStats:
     """The process's real resident memory at the end of the step (``VmRSS``: everything, not only
     Gemini's; ``None`` without ``/proc``), to read next to the accounted ``host_peak_bytes``."""
     host_rss_peak_bytes: int | None = None
-    """The process's peak resident memory since it started (``getrusage``'s ``ru_maxrss``, the kernel's
-    ``VmHWM``; see [Note: the allocator's peak] in ``host_memory.py``)."""
+    """The process's peak resident memory since it started (the kernel's ``VmHWM``; see [Note: the
+    allocator's peak] in ``host_memory.py``)."""
 
     @property
     def bytes_moved(self) -> int:

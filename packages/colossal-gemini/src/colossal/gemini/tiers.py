@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from colossal.comm.knobs import as_bytes
 from colossal.gemini import events
 
 __all__ = ["CPU_DEFAULT_BUDGET", "Tier", "DeviceTier", "HostTier", "BudgetExceededError", "Traffic", "transfer"]
@@ -106,9 +107,7 @@ class DeviceTier(Tier):
                     stacklevel=4,
                 )
                 budget = CPU_DEFAULT_BUDGET
-        if not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"device_memory_budget must be a positive int of bytes, got {budget!r}")
-        super().__init__(device, budget)
+        super().__init__(device, as_bytes(budget, "device_memory_budget"))
 
 
 class HostTier(Tier):

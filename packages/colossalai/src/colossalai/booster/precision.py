@@ -34,4 +34,4 @@ def parse_precision(value: str | torch.dtype | Precision | None) -> Precision:
     if value is None or isinstance(value, Precision):
         return value or Precision.FP32
     dtype = as_dtype(value, "mixed_precision")
-    return {torch.float32: Precision.FP32, torch.float16: Precision.FP16, torch.bfloat16: Precision.BF16}[dtype]
+    return next(p for p in Precision if p.dtype is dtype)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import collections
 import importlib
-import resource
-import sys
 import time
 
 import torch
@@ -30,21 +28,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def _peak_rss_bytes() -> int:
-    peak = rss_and_peak_bytes()[1]  # VmHWM (getrusage's ru_maxrss counts a forking parent's RSS too)
-    if peak is None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return peak
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return _peak_rss_bytes()
 
 
 class Meters:
@@ -105,7 +88,8 @@ class Meters:
         """Bytes per tier right now; ``cpu`` and ``cpu(peak)`` are the process's real resident memory and
         its peak so far, the ``(engine)`` entries what the engine accounts (the two side by side show
         what the allocator and temporaries add)."""
-        mem = {"cpu": _rss_bytes(), "cpu(peak)": _peak_rss_bytes()}
+        rss, peak = rss_and_peak_bytes()  # one read of /proc/self/status (getrusage's peak without /proc)
+        mem = {"cpu": rss if rss is not None else peak or 0, "cpu(peak)": peak or 0}
         if torch.cuda.is_available():
             mem["cuda"] = torch.cuda.memory_allocated()
         for tier, nbytes in self.tier_bytes.items():
