@@ -33,6 +33,7 @@ ALL = {
     "colossal-moe",
     "colossal-pipeline",
     "colossal-profiler",
+    "colossal-planner",
     "colossal-fastfold",
 }
 ALLOWED: dict[str, set[str]] = {
@@ -44,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "colossal-moe": {"colossal-comm"},
     "colossal-pipeline": {"colossal-comm"},
     "colossal-profiler": set(),
+    "colossal-planner": {"colossal-comm"},
     "colossal-fastfold": {"colossal-comm"},
     "colossal-stack": ALL,
     "colossal-testkit": set(),

@@ -59,8 +59,13 @@ from colossal.comm.launch import (
 from colossal.comm.layouts import Layout2D, Layout2p5D, Layout3D
 from colossal.comm.mesh import Axis, Mesh
 from colossal.comm.meta import is_unset, mark_unset, unset_mark, unset_names
+from colossal.comm.packing import pack, plan_depths, search_chunk_size, upcoming_chunks
 
 __all__ = [
+    "pack",
+    "search_chunk_size",
+    "plan_depths",
+    "upcoming_chunks",
     "ensure_process_group",
     "PRECISIONS",
     "as_bytes",

@@ -73,6 +73,10 @@ class CommHandle:
             self._result = self._finish()
             self._done = True
             self._report()
+            # Let go of the issue/finish closures: they hold the input buffers (a bucket of
+            # gradients, a gathered unit), which must be freed when the caller drops them, not
+            # when the handle or a reference cycle through it is collected.
+            self._works, self._finish, self._report = (), None, None
         return self._result
 
     def is_completed(self) -> bool:

@@ -27,45 +27,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import colossal.comm as comm
+from colossal.comm import pack, search_chunk_size
 from colossal.gemini import events
 from colossal.gemini.chunk import Chunk, ChunkState, IllegalTransitionError, TensorInfo, TensorState
 from colossal.gemini.tiers import BudgetExceededError, DeviceTier, HostTier, Tier, Traffic, count, transfer
 
 __all__ = ["ChunkManager", "search_chunk_size", "pack"]
-
-
-def pack(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
-    """Indices of ``numels`` per chunk, packed in order (a tensor that does not fit opens a new chunk)."""
-    chunks: list[list[int]] = []
-    left = 0
-    for i, n in enumerate(numels):
-        if n > chunk_size:
-            raise ValueError(f"chunk_size={chunk_size} is smaller than a parameter of {n} elements")
-        if n > left:
-            chunks.append([])
-            left = chunk_size
-        chunks[-1].append(i)
-        left -= n
-    return chunks
-
-
-def search_chunk_size(numels: Sequence[int], align: int = 1, search_range: int | None = None, steps: int = 64) -> int:
-    """Chunk size (elements, a multiple of ``align``) that minimises padding when packing ``numels`` in order.
-
-    Candidates run from the largest tensor to ``largest + search_range`` (default: twice the largest) in
-    ``steps`` equal steps; ties go to the smaller size (more chunks = finer placement).
-    """
-    if not numels:
-        raise ValueError("cannot size chunks for a model without parameters")
-    lo = -(-max(numels) // align) * align
-    span = lo if search_range is None else search_range
-    stride = max(align, -(-span // steps) // align * align)
-    best, best_waste = lo, None
-    for size in range(lo, lo + span + 1, stride):
-        waste = len(pack(numels, size)) * size - sum(numels)
-        if best_waste is None or waste < best_waste:
-            best, best_waste = size, waste
-    return best
 
 
 class ChunkManager:

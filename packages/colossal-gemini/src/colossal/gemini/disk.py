@@ -33,6 +33,17 @@ Adam kernel, runs on views of the buffers: no copy), block ``i+1`` is read and b
 the I/O threads. Before block ``i+1`` is read into a set, the write of block ``i-2`` from that set has
 finished. The working weights are refreshed from the master while it is in the buffer; with fp32
 working data and both on disk the working shard *is* the master region (no extra write).
+
+[Note: gradients with a disk tier]
+Where a chunk's gradient lives is independent of its master and states (the static fractions are per
+kind): in memory (``grad_shard``) or in its disk region (``grad_shard`` is then a placeholder, and the
+I/O threads may still be writing the backward's block). Every reader of the gradients between backward
+and step (the overflow check, the clipping norm, ``GeminiOptimizer.grad_norm``) takes the same two
+parts: the shards in memory (:func:`memory_grads`, once the writes have drained), a streamed chunk's
+included, and per-chunk ``amax`` and norms of the blocks on disk, read in one streamed pass
+(:func:`disk_grads_stats`): the p-norm of the per-chunk norms is the norm of the whole. The step
+unscales and clips the shards in memory in place and those on disk in their buffers (``grad_scale``
+of :func:`stream_step`).
 """
 
 from __future__ import annotations
@@ -534,7 +545,7 @@ def stream_step(opt, chunks: list, grad_scale: float, without: set[str]) -> None
     for i, chunk in enumerate(chunks):
         start_read(i + 1)
         block = disk.wait(futs.pop(i), chunk.id)
-        if grad_scale != 1.0 and "grad" in block.tensors:
+        if grad_scale != 1.0 and "grad" in block.tensors:  # one in memory is unscaled and clipped already
             block.tensors["grad"].mul_(grad_scale)
         saved = _bind(opt, block)
         for fake, lo, hi, name in opt.slices.get(chunk.id, ()):
@@ -604,6 +615,22 @@ def refresh_from(m, chunk, master: torch.Tensor) -> None:
     chunk.disk_clean = aliased(m, chunk) and "master" in chunk.on_disk
     if m.sharded:
         m.release(chunk)
+
+
+def memory_grads(m) -> list[torch.Tensor]:
+    """The gradient shards held in memory, of every chunk whose gradient block is not on disk (whether
+    or not its master or states are: see [Note: gradients with a disk tier]), after the backward's
+    gradient writes have finished; a shard no backward wrote since the last step is zeroed."""
+    m.disk.drain()  # the I/O threads may still be writing gradient blocks (and reading them races)
+    grads = []
+    for c in m.chunks:
+        if "grad" in c.on_disk:
+            continue
+        if not c.has_grad:  # stale contents mean zero
+            c.grad_shard.zero_()
+            c.has_grad = True
+        grads.append(c.grad_shard)
+    return grads
 
 
 def disk_grads_stats(opt, chunks: list, norm_type: float, need_norm: bool) -> tuple[list, list]:
@@ -779,17 +806,12 @@ def optimizer_step(opt) -> bool:
 
     m = opt.manager
     with events.label("step"):
-        m.disk.drain()
         streamed = [c for c in m.chunks if c.on_disk]
         resident = [c for c in m.chunks if not c.on_disk]
-        for c in resident:
-            if not c.has_grad:
-                c.grad_shard.zero_()
-                c.has_grad = True
-        grads = [c.grad_shard for c in resident]
+        grads = memory_grads(m)  # resident chunks' and streamed ones' kept in memory: unscaled, clipped here
         check = opt.check_overflow or isinstance(opt.scaler, DynamicLossScaler)
         clip = opt.max_grad_norm is not None
-        amax, norms = disk_grads_stats(opt, streamed, opt.norm_type, clip) if (check or clip) else ([], [])
+        amax, norms = disk_grads_stats(opt, m.chunks, opt.norm_type, clip) if (check or clip) else ([], [])
         inv = 1.0 / opt.scaler.scale
         if opt.scaler.scale != 1.0:
             opt.scaler.unscale_(grads)

@@ -177,6 +177,10 @@ class GeminiOptimizer(OptimizerWrapper):
         native = self.model.native_grads()
         if native is not None:  # the gradients autograd left in param.grad ([Note: native gradients])
             return [p.grad for p, _ in native if p.grad is not None]
+        if self.manager.disk is not None:  # the shards in memory only: [Note: gradients with a disk tier]
+            from colossal.gemini.disk import memory_grads
+
+            return memory_grads(self.manager)
         for c in self.manager.chunks:
             if not c.has_grad:  # no backward since the last step: stale contents mean zero
                 c.grad_shard.zero_()
@@ -225,6 +229,10 @@ class GeminiOptimizer(OptimizerWrapper):
         shards: what ``torch.nn.utils.clip_grad_norm_`` returns. Collective; call between backward and
         ``step()``."""
         m, grads = self.manager, self._grads()
+        if m.disk is not None:  # and the blocks on disk as per-chunk norms, as the step composes them
+            from colossal.gemini.disk import disk_grads_stats
+
+            grads = grads + disk_grads_stats(self, m.chunks, norm_type, True)[1]
         kw = dict(group=m.group, all_reduce=_reduce("grad_norm"))
         if m.replicated:  # every rank holds the same whole gradients: count them once
             total = grad_norm([], norm_type, replicated=grads, **kw)

@@ -32,40 +32,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 import colossal.comm as comm
+from colossal.comm import plan_depths, upcoming_chunks
 from colossal.gemini.chunk import Chunk
 
 __all__ = ["plan_depths", "agree_on_depths", "build_prefetcher", "Prefetcher"]
-
-
-def _upcoming(ops: Sequence[tuple[int, ...]]) -> list[list[int]]:
-    """For each operator, the distinct chunks later operators use, in first-use order (own chunks excluded)."""
-    out: list[list[int]] = [[] for _ in ops]
-    later: list[int] = []  # distinct chunks of ops j+1.., in first-use order
-    for j in range(len(ops) - 1, -1, -1):
-        out[j] = [c for c in later if c not in ops[j]]
-        nxt = list(dict.fromkeys(ops[j]))
-        later = nxt + [c for c in later if c not in nxt]
-    return out
-
-
-def plan_depths(ops: Sequence[tuple[int, ...]], depth: int, fits: Callable[[int, list[int]], bool]) -> list[int]:
-    """Per operator, how many upcoming chunks to keep gathered: the largest ``k <= depth`` such that
-    ``fits(j, own chunks + first k upcoming chunks)``, then lowered where a chunk prefetched for a later
-    operator would leave the next, shallower window before its use (it would be gathered twice)."""
-    upcoming = _upcoming(ops)
-    ks = []
-    for j, own in enumerate(ops):
-        k = min(depth, len(upcoming[j]))
-        while k > 0 and not fits(j, list(own) + upcoming[j][:k]):
-            k -= 1
-        ks.append(k)
-    for j in range(len(ks) - 2, -1, -1):
-        nxt = set(ops[j + 1]) | set(upcoming[j + 1][: ks[j + 1]])
-        kept = 0
-        while kept < ks[j] and upcoming[j][kept] in nxt:
-            kept += 1
-        ks[j] = kept
-    return ks
 
 
 class Prefetcher:
@@ -74,7 +44,9 @@ class Prefetcher:
     def __init__(self, manager, ops: Sequence[tuple[int, ...]], depths: Sequence[int]):
         self.m = manager
         self.ops = [tuple(o) for o in ops]
-        self.ahead = [u[:k] for u, k in zip(_upcoming(self.ops), depths)]  # chunks prefetched at each op, in order
+        self.ahead = [
+            u[:k] for u, k in zip(upcoming_chunks(self.ops), depths)
+        ]  # chunks prefetched at each op, in order
         self.windows = [frozenset(o) | frozenset(a) for o, a in zip(self.ops, self.ahead)]
         self.window: frozenset[int] = frozenset()  # chunks gathered or in flight for the current window
         self.active = True

@@ -28,6 +28,7 @@ COMPONENTS = {
     "colossal-moe": "colossal.moe",
     "colossal-pipeline": "colossal.pipeline",
     "colossal-profiler": "colossal.profiler",
+    "colossal-planner": "colossal.planner",
     "colossal-fastfold": "fastfold",
 }
 """Distribution name -> import name of every Colossal package (the meta-package and each ``colossal-*``

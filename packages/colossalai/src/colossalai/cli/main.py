@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     run.add_argument("-m", dest="module", action="store_true", help="target is a module, as in python -m")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script (or module) and its arguments")
+    from colossalai.cli.plan import add_plan_arguments
+
+    add_plan_arguments(
+        sub.add_parser("plan", help="which layouts fit a model on some hardware, and how fast (nothing allocated)")
+    )
     sub.add_parser("check", help="report installed components, devices, backends; 2-process smoke test")
     return parser
 
@@ -108,6 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         from colossalai.cli.check import check
 
         return check()
+    if args.command == "plan":
+        from colossalai.cli.plan import plan_command
+        from colossalai.cli.validate import UsageError
+
+        try:
+            return plan_command(args)
+        except (UsageError, ValueError, FileNotFoundError) as exc:
+            print(f"colossalai plan: error: {exc}", file=sys.stderr)
+            return 2
     if not _validate(args, quiet=ERRORS_ENV in os.environ):
         return 2
     if args.command == "run":

@@ -55,7 +55,12 @@ def _plugin(args: argparse.Namespace):
     """The plugin named by ``--plugin`` with its own options (others must keep their defaults)."""
     budget = parse_bytes(args.device_budget)
     own = {
-        "gemini": dict(placement=args.placement, device_memory_budget=_device_budget(args)),
+        "gemini": dict(
+            placement=args.placement,
+            device_memory_budget=_device_budget(args),
+            disk_dir=args.disk_dir,
+            host_memory_budget=parse_bytes(args.host_budget),
+        ),
         "zero": dict(stage=args.zero_stage, offload=args.offload),
         "hybrid": dict(
             tp_size=args.tp_size

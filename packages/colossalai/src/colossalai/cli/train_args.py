@@ -104,6 +104,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="device memory budget per process, e.g. 2GiB (gemini; default 0.65 x the model states per process)",
     )
     p.add_argument("--placement", default="auto", choices=["auto", "static"], help="gemini chunk placement")
+    p.add_argument("--disk-dir", default=None, help="gemini: spill model states to files in this directory")
+    p.add_argument(
+        "--host-budget",
+        default=None,
+        help="gemini with --disk-dir: host memory Gemini may use, e.g. 8GiB (auto placement)",
+    )
     p.add_argument("--zero-stage", type=int, default=2, choices=[1, 2, 3], help="ZeRO stage (zero)")
     p.add_argument(
         "--tp-size", type=int, default=None, help="tensor-parallel degree (hybrid; default 2, 1 with --sp-size)"

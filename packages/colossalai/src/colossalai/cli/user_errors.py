@@ -23,6 +23,8 @@ __all__ = ["PYTHON_TO_FLAG", "cli_message", "flag_names"]
 
 PYTHON_TO_FLAG = {
     "device_memory_budget": "--device-budget",
+    "host_memory_budget": "--host-budget",
+    "disk_dir": "--disk-dir",
     "num_microbatches": "--microbatches",
     "mixed_precision": "--precision",
     "placement='auto'": "--placement auto",
@@ -33,7 +35,8 @@ PYTHON_TO_FLAG = {
 }
 """Python argument names in engine messages -> the ``colossalai train`` flag that sets them."""
 
-_NOT_FLAGS = ("chunk_size", "prefetch", "offload_param_frac", "offload_optim_frac", "host_memory_budget", "disk")
+_NOT_FLAGS = ("chunk_size", "prefetch", "offload_param_frac", "offload_optim_frac", "disk_param_frac", "disk_grad_frac",
+              "disk_optim_frac")  # fmt: skip
 """Engine settings the CLI does not expose: advice naming them is dropped."""
 
 _NEED = re.compile(r"need (\d+) bytes")

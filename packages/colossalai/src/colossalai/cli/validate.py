@@ -35,7 +35,7 @@ class UsageError(ValueError):
 
 
 PLUGIN_FLAGS: dict[str, tuple[str, ...]] = {
-    "gemini": ("device_budget", "placement"),
+    "gemini": ("device_budget", "placement", "disk_dir", "host_budget"),
     "zero": ("zero_stage", "offload"),
     "hybrid": (
         "tp_size",

@@ -1,0 +1,151 @@
+"""A layout: which engine holds the model states, and how the ranks split the work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from colossal.comm import as_dtype
+
+__all__ = ["Layout", "TierBytes", "OPTIMIZER_STATES"]
+
+ENGINES = ("ddp", "zero", "gemini")
+
+OPTIMIZER_STATES: dict[str, int] = {
+    "adamw": 2,
+    "adam": 2,
+    "hybridadam": 2,
+    "lamb": 2,
+    "lars": 1,
+    "sgd": 0,
+    "sgd-momentum": 1,
+}
+"""fp32 state tensors per parameter element of each optimizer (Adam's two moments, ...)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """One way to run the step: the engine, its knobs, and the parallel degrees.
+
+    The knobs have the engines' own names and defaults (``colossal.zero.ZeroConfig``,
+    ``colossal.gemini.GeminiConfig``, ``colossalai.booster.TorchDDPPlugin``).
+    """
+
+    engine: str
+    """``"ddp"`` (torch DDP), ``"zero"`` (``colossal.zero``) or ``"gemini"`` (``colossal.gemini``)."""
+    dp: int = 1
+    """Data-parallel ranks."""
+    precision: torch.dtype = torch.float32
+    """Working precision of parameters and activations (``"bf16"``... accepted)."""
+    zero_stage: int = 0
+    """ZeRO stage 1-3 (``engine="zero"``)."""
+    offload: bool = False
+    """ZeRO-Offload: fp32 masters, their gradients and optimizer states on the host."""
+    bucket_numel: int = 2**22
+    """ZeRO stages 1/2: elements per gradient bucket (``ZeroConfig.bucket_numel``)."""
+    ddp_bucket_cap_mb: int = 25
+    """DDP: gradient bucket size in MiB."""
+    placement: str = "auto"
+    """Gemini: ``"static"`` or ``"auto"``."""
+    chunk_size: int | None = None
+    """Gemini: elements per chunk (``None``: Gemini's own search)."""
+    device_budget: int | None = None
+    """Gemini: device bytes it may use (``None``: the device's memory)."""
+    host_budget: int | None = None
+    """Gemini with a disk tier: host bytes it may use."""
+    disk: bool = False
+    """Gemini: spill to a disk tier."""
+    offload_optim_frac: float = 1.0
+    """Gemini static placement: fraction of optimizer blocks on the host (Gemini's default: all)."""
+    offload_param_frac: float = 0.0
+    """Gemini static placement: fraction of working chunks on the host."""
+    disk_param_frac: float = 0.0
+    """Gemini with a disk tier: fraction of working chunks whose home is the disk."""
+    disk_grad_frac: float = 0.0
+    """Gemini with a disk tier: fraction of gradient blocks on the disk."""
+    disk_optim_frac: float = 0.0
+    """Gemini with a disk tier: fraction of optimizer blocks on the disk."""
+    keep_gathered: bool = False
+    """Gemini: keep chunks gathered (unsharded) on every rank."""
+    prefetch: int = 2
+    """Gemini, sharded: chunks whose all-gather starts ahead of their operator (``GeminiConfig.prefetch``)."""
+    optimizer: str = "adamw"
+    """Optimizer family (its state count: :data:`OPTIMIZER_STATES`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", as_dtype(self.precision))
+        if self.engine not in ENGINES:
+            raise ValueError(f"Layout.engine must be one of {ENGINES}, got {self.engine!r}")
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"Layout.dp must be a positive int, got {self.dp!r}")
+        if self.engine == "zero" and self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"Layout.zero_stage must be 1, 2 or 3 for engine='zero', got {self.zero_stage!r}")
+        if self.placement not in ("static", "auto"):
+            raise ValueError(f"Layout.placement must be 'static' or 'auto', got {self.placement!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"Layout.optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"Layout.prefetch must be an int >= 0, got {self.prefetch!r}")
+        for name in (
+            "offload_optim_frac",
+            "offload_param_frac",
+            "disk_param_frac",
+            "disk_grad_frac",
+            "disk_optim_frac",
+        ):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"Layout.{name} must be in [0, 1], got {v!r}")
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout needs."""
+        return self.dp
+
+    @property
+    def states(self) -> int:
+        """fp32 optimizer state tensors per trainable element."""
+        return OPTIMIZER_STATES[self.optimizer]
+
+    @property
+    def engine_key(self) -> str:
+        """The engine and its mode without the degrees: ``"zero3+offload"``, ``"gemini-auto+disk"``
+        (the key of :attr:`colossal.planner.Coefficients.engine_overhead`)."""
+        if self.engine == "zero":
+            return f"zero{self.zero_stage}" + ("+offload" if self.offload else "")
+        if self.engine == "gemini":
+            return f"gemini-{self.placement}" + ("+disk" if self.disk else "")
+        return "ddp"
+
+    @property
+    def label(self) -> str:
+        """A short human name: ``"zero3+offload dp4 bf16"``."""
+        name = self.engine_key
+        if self.engine == "gemini" and self.placement == "static" and self.offload_optim_frac < 1.0:
+            name += f" optim{100 * (1 - self.offload_optim_frac):.0f}%@device"
+        prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.precision]
+        return f"{name} dp{self.dp} {prec}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierBytes:
+    """Peak bytes per memory tier of one rank."""
+
+    device: int
+    """The compute device (on a CPU-only machine: the accounted device tier, in host RAM)."""
+    pinned_host: int = 0
+    """Page-locked host memory (CUDA only: the engines pin what they copy asynchronously)."""
+    host: int = 0
+    """Pageable host memory."""
+    disk: int = 0
+    """Bytes in the disk tier's files."""
+
+    @property
+    def host_total(self) -> int:
+        """Pinned + pageable host bytes."""
+        return self.pinned_host + self.host
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON-safe form."""
+        return {"device": self.device, "pinned_host": self.pinned_host, "host": self.host, "disk": self.disk}

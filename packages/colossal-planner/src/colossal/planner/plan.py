@@ -1,0 +1,235 @@
+"""``plan()``: every layout the stack can run for a model on some hardware, ranked.
+
+For each layout: the per-rank peak bytes per tier (:mod:`colossal.planner.memory`), whether it fits
+(and if not, what it needs against what the hardware has), the bytes communicated per step, the
+predicted step time, tokens/s and MFU (:mod:`colossal.planner.speed`), and the ``colossalai
+train`` command and Booster code that run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from colossal.comm import as_dtype
+from colossal.planner.hardware import Hardware
+from colossal.planner.layout import Layout, TierBytes
+from colossal.planner.memory import MemoryPrediction, predict_memory
+from colossal.planner.speed import StepTime, comm_bytes, predict_step_time
+from colossal.planner.trace import ModelTrace, trace_model
+
+__all__ = ["Candidate", "plan", "candidate_layouts", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """``31.2 GiB``-style bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Candidate:
+    """One layout's prediction."""
+
+    layout: Layout
+    """The layout."""
+    memory: MemoryPrediction
+    """Peak bytes per tier of one rank, with the breakdown."""
+    fits: bool
+    """Whether every tier is within the hardware."""
+    shortfalls: tuple[str, ...]
+    """For a layout that does not fit: ``"needs 31.2 GiB on the device, has 24.0 GiB"`` per tier."""
+    comm: dict[str, int]
+    """Message bytes per collective per step of one rank."""
+    time: StepTime
+    """Predicted step time by part."""
+    tokens_per_second: float
+    """Global tokens per second."""
+    mfu: float
+    """Model FLOPs (``6 * params * tokens``, plus attention, from the trace's forward x 3) over the
+    hardware's peak FLOP/s of all ranks, for the step time."""
+
+    @property
+    def tiers(self) -> TierBytes:
+        """Shortcut for ``memory.tiers``."""
+        return self.memory.tiers
+
+    def command(self, model_flags: str, batch: int, seq: int) -> str:
+        """A ``colossalai train`` command line running this layout (``model_flags``: the model's own,
+        e.g. ``"--model gpt --preset 1.3b"``)."""
+        lay = self.layout
+        prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lay.precision]
+        plugin = {"ddp": "ddp", "zero": "zero", "gemini": "gemini"}[lay.engine]
+        parts = ["colossalai train", f"--nproc {lay.dp}", f"{model_flags}", f"--plugin {plugin}",
+                 f"--batch-size {batch}", f"--seq-len {seq}", f"--precision {prec}"]  # fmt: skip
+        if lay.engine == "zero":
+            parts.append(f"--zero-stage {lay.zero_stage}")
+            if lay.offload:
+                parts.append("--offload")
+        if lay.engine == "gemini":
+            parts.append(f"--placement {lay.placement}")
+            if lay.device_budget is not None:
+                parts.append(f"--device-budget {lay.device_budget}")
+            if lay.disk:
+                parts.append("--disk-dir /path/to/fast/disk")
+                if lay.host_budget is not None:
+                    parts.append(f"--host-budget {format_bytes(lay.host_budget).replace(' ', '')}")
+        return " ".join(parts)
+
+    def booster_code(self) -> str:
+        """The Booster lines that run this layout on the user's own model."""
+        lay = self.layout
+        prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lay.precision]
+        if lay.engine == "ddp":
+            plugin = "TorchDDPPlugin()"
+        elif lay.engine == "zero":
+            plugin = f"ZeroPlugin(stage={lay.zero_stage}, offload={lay.offload})"
+        else:
+            args = [f'placement="{lay.placement}"']
+            if lay.device_budget is not None:
+                args.append(f"device_memory_budget={lay.device_budget}")
+            if lay.disk:
+                args.append('disk_dir="/path/to/fast/disk"')
+                if lay.host_budget is not None:
+                    args.append(f"host_memory_budget={lay.host_budget}")
+            plugin = f"GeminiPlugin({', '.join(args)})"
+        return (
+            "from colossalai.booster import Booster, " + plugin.split("(")[0] + "\n"
+            f'booster = Booster(plugin={plugin}, mixed_precision="{prec}")\n'
+            "model, optimizer, criterion, dataloader, _ = booster.boost(model, optimizer, criterion, dataloader)"
+        )
+
+
+def candidate_layouts(
+    world: int, precision: torch.dtype, *, disk: bool = True, host_budget: int | None = None
+) -> list[Layout]:
+    """Every data-parallel layout of the stack on ``world`` ranks: DDP; ZeRO 1/2/3 with and without
+    offload; Gemini static (optimizer states on the device, or on the host) and auto, with and
+    without the disk tier (given ``host_budget`` bytes of host memory per rank)."""
+    out = [Layout(engine="ddp", dp=world, precision=torch.float32)]
+    for stage in (1, 2, 3):
+        for offload in (False, True):
+            out.append(Layout(engine="zero", dp=world, zero_stage=stage, offload=offload, precision=precision))
+    out.append(Layout(engine="gemini", dp=world, placement="static", offload_optim_frac=0.0, precision=precision))
+    out.append(Layout(engine="gemini", dp=world, placement="static", offload_optim_frac=1.0, precision=precision))
+    out.append(Layout(engine="gemini", dp=world, placement="auto", precision=precision))
+    if disk:
+        out.append(Layout(engine="gemini", dp=world, placement="auto", disk=True, host_budget=host_budget or 2**30,
+                          precision=precision))  # fmt: skip
+    return out
+
+
+def _shortfalls(tiers: TierBytes, hw: Hardware, ranks_per_node: int) -> list[str]:
+    out = []
+    if tiers.device > hw.device_memory:
+        out.append(f"needs {format_bytes(tiers.device)} on the device, has {format_bytes(hw.device_memory)}")
+    host = tiers.host_total * ranks_per_node
+    if host > hw.host_memory:
+        out.append(f"needs {format_bytes(host)} of host memory per node, has {format_bytes(hw.host_memory)}")
+    if tiers.pinned_host * ranks_per_node > hw.pinnable_host_memory:
+        out.append(
+            f"needs {format_bytes(tiers.pinned_host * ranks_per_node)} of pinned host memory per node, "
+            f"has {format_bytes(hw.pinnable_host_memory)}"
+        )
+    if tiers.disk * ranks_per_node > hw.disk_free:
+        out.append(
+            f"needs {format_bytes(tiers.disk * ranks_per_node)} of disk per node, has {format_bytes(hw.disk_free)}"
+        )
+    return out
+
+
+def plan(
+    model: Callable[[], nn.Module] | ModelTrace | dict[torch.dtype, ModelTrace],
+    *,
+    batch: int,
+    seq: int,
+    hardware: Hardware,
+    precision: torch.dtype | str = torch.bfloat16,
+    activation_checkpointing: bool = False,
+    layouts: Sequence[Layout] | None = None,
+    op_overhead: float | dict[str, float] | None = None,
+    engine_overhead: dict[str, tuple[float, float]] | None = None,
+    trace_kwargs: dict | None = None,
+) -> list[Candidate]:
+    """Predict every layout (default :func:`candidate_layouts` over all of ``hardware``'s devices)
+    for ``model`` (a factory built on the meta device, or ready traces) at global ``batch`` sequences
+    of ``seq`` tokens; returns those that fit first, fastest first, then the rest by how far over
+    they are. ``op_overhead`` and ``engine_overhead`` are the calibration's
+    (:class:`~colossal.planner.Coefficients`): host seconds per operator and per engine."""
+    precision = as_dtype(precision)
+    world = hardware.world_size
+    if layouts is None:
+        # the disk tier's layout keeps half of each rank's share of the host RAM for Gemini
+        layouts = candidate_layouts(
+            world, precision, host_budget=hardware.host_memory // hardware.devices_per_node // 2
+        )
+    for lay in layouts:
+        if batch % lay.dp:
+            raise ValueError(f"batch={batch} is not divisible by the {lay.dp} data-parallel ranks of {lay.label}")
+    traces: dict[tuple[torch.dtype, int], ModelTrace] = {}
+
+    def trace_for(dtype: torch.dtype, micro: int) -> ModelTrace:
+        if isinstance(model, ModelTrace):
+            return model
+        if isinstance(model, dict):
+            return model[dtype]
+        key = (dtype, micro)
+        if key not in traces:
+            traces[key] = trace_model(
+                model,
+                batch=micro,
+                seq=seq,
+                dtype=dtype,
+                device_type=hardware.device_type,
+                activation_checkpointing=activation_checkpointing,
+                **(trace_kwargs or {}),
+            )
+        return traces[key]
+
+    default = 1e-5 if hardware.device_type == "cuda" else 5e-6
+
+    def overhead_for(dtype: torch.dtype) -> float:  # a dict: per dtype name (Coefficients.op_overhead_by_dtype)
+        if isinstance(op_overhead, dict):
+            return op_overhead.get(str(dtype).removeprefix("torch."), op_overhead.get("float32", default))
+        return default if op_overhead is None else op_overhead
+
+    out = []
+    for lay in layouts:
+        trace = trace_for(lay.precision, batch // lay.dp)
+        mem = predict_memory(trace, lay, device_type=hardware.device_type, device_memory=hardware.device_memory)
+        moved = mem.breakdown.get("bytes_moved_per_step", 0)
+        disk = (mem.breakdown.get("disk_read_per_step", 0), mem.breakdown.get("disk_written_per_step", 0))
+        t = predict_step_time(
+            trace,
+            lay,
+            hardware,
+            op_overhead=overhead_for(lay.precision),
+            moved_bytes=moved,
+            disk_bytes=disk,
+            n_step_tensors=mem.breakdown.get("optimizer_tensors", 1),
+            engine_overhead=(engine_overhead or {}).get(lay.engine_key, (0.0, 0.0)),
+        )
+        short = _shortfalls(mem.tiers, hardware, min(lay.dp, hardware.devices_per_node))
+        tokens = batch * seq / t.total
+        model_flops = 3 * trace.forward_flops * lay.dp  # forward + backward (2x), without recomputation
+        mfu = model_flops / t.total / (hardware.flops(lay.precision) * lay.dp)
+        out.append(
+            Candidate(
+                lay,
+                mem,
+                not short,
+                tuple(short),
+                comm_bytes(trace, lay, mem.breakdown.get("optimizer_tensors", 1)),
+                t,
+                tokens,
+                mfu,
+            )
+        )
+    fit = sorted((c for c in out if c.fits), key=lambda c: c.time.total)
+    unfit = sorted((c for c in out if not c.fits), key=lambda c: c.tiers.device / hardware.device_memory)
+    return fit + unfit

@@ -1,0 +1,370 @@
+"""One training step of a model, run on the meta device: what every layout's prediction is made of.
+
+:func:`trace_model` builds the model on the ``meta`` device (no weights are allocated), runs one
+forward, the loss and one backward on a meta batch, and records, per dispatched operator:
+
+* the **live bytes** of every tensor that is not a parameter and not a gradient (activations,
+  saved tensors, temporaries, the incoming gradient of each parameter before it is accumulated),
+  the peak within the operator included: the meta allocator frees exactly when the CPU and CUDA
+  allocators would (reference counts), so this is the non-model data of the real step;
+* the operator's FLOPs (torch's own ``torch.utils.flop_counter`` formulas) and the bytes it reads
+  and writes (the roofline's two terms);
+* where each parameter's gradient is produced, and where each module's forward and backward
+  start and end (what the engines' gather/free and bucket rules are applied to).
+
+[Note: what the trace is and is not]
+The trace is the plain single-process step. Engines change the model-state side only (where
+parameters, gradients and optimizer states live, and what is gathered when); the activation side
+is the model's own and is the same under every layout of the same micro-batch, precision and
+checkpointing. Tensor, sequence and pipeline parallelism change the activation side too:
+:mod:`colossal.planner.memory` scales it by the documented split of each, the trace does not
+re-run per layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["ParamInfo", "ModelTrace", "trace_model", "lm_loss"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """One parameter of the traced model (shared parameters appear once, under their first name)."""
+
+    name: str
+    """Its name in ``named_parameters()`` (the first one, for a tied parameter)."""
+    numel: int
+    """Number of elements."""
+    dtype: torch.dtype
+    """Its dtype as built by the factory (the layouts apply their own working precision)."""
+    requires_grad: bool
+    """False for a frozen parameter: no gradient and no optimizer state in any engine."""
+    unit: int
+    """Index in :attr:`ModelTrace.units` of the innermost ZeRO-3 unit owning it (0 = the root)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in its own dtype."""
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelTrace:
+    """What one traced training step of a model costs, independent of the layout."""
+
+    params: tuple[ParamInfo, ...]
+    """Unique parameters in registration order."""
+    buffer_bytes: int
+    """Bytes of the model's buffers."""
+    batch: int
+    """Sequences in the traced micro-batch."""
+    seq: int
+    """Tokens per sequence."""
+    dtype: torch.dtype
+    """Dtype the model was traced in (its activations have it)."""
+    activation_checkpointing: bool
+    """Whether the model recomputed its blocks in backward."""
+    live: tuple[int, ...]
+    """Per operator: peak live non-model bytes while it ran (see the module docstring)."""
+    flops: tuple[float, ...]
+    """Per operator: FLOPs (0 for operators without a formula: element-wise work is counted in bytes)."""
+    io_bytes: tuple[int, ...]
+    """Per operator: bytes of its tensor inputs and outputs."""
+    backward_start: int
+    """Index of the first operator of the backward pass (forward = operators before it)."""
+    grad_op: tuple[int, ...]
+    """Per parameter: the operator that produced its gradient (-1: the parameter got none)."""
+    units: tuple[str, ...]
+    """Module paths of the ZeRO-3 units (root first, then each child of an ``nn.ModuleList``)."""
+    unit_forward: tuple[tuple[int, int], ...]
+    """Per unit: (first, last) operator of its forward (the root spans the whole forward)."""
+    unit_backward: tuple[int, ...]
+    """Per unit: the operator at which its backward starts (root: ``backward_start``)."""
+    tokens: int
+    """Tokens in the traced micro-batch (``batch * seq``)."""
+    input_bytes: int = 0
+    """Bytes of the micro-batch's input tensors."""
+
+    @property
+    def ops(self) -> int:
+        """Operators dispatched by one step (forward, loss and backward)."""
+        return len(self.live)
+
+    @property
+    def numel(self) -> int:
+        """Elements of all parameters."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements of the parameters that get gradients."""
+        return sum(p.numel for p in self.params if p.requires_grad)
+
+    @property
+    def activation_peak(self) -> int:
+        """Peak non-model bytes of the plain step (activations, temporaries, incoming gradients)."""
+        return max(self.live, default=0)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Non-model bytes live when the backward starts (what the forward saved for it)."""
+        return self.live[self.backward_start - 1] if self.backward_start > 0 else 0
+
+    @property
+    def forward_flops(self) -> float:
+        """FLOPs of the forward (and loss)."""
+        return sum(self.flops[: self.backward_start])
+
+    @property
+    def total_flops(self) -> float:
+        """FLOPs of forward + backward (+ recomputation under activation checkpointing)."""
+        return sum(self.flops)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def lm_loss(output: Any, idx: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of a causal LM's logits (a tensor, or an object with ``.logits``)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned {type(output).__name__}; give trace_model a loss= function")
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), idx.reshape(-1))
+
+
+@contextlib.contextmanager
+def _fused_attention(device_type: str):
+    """``scaled_dot_product_attention`` as the target device runs it, for the trace's duration.
+
+    On the meta device torch takes the math path, which materialises the (T, T) attention matrix
+    and saves it for backward; CPU and CUDA run a fused (flash) kernel that saves only the output
+    and the log-sum-exp. The fused kernels have meta formulas, so the trace calls them directly.
+    The function is patched on ``torch.nn.functional`` (a function mode would not see the
+    recomputation that activation checkpointing runs inside backward).
+    """
+    original = nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or enable_gqa or q.dim() != 4 or q.shape[-1] != v.shape[-1]:
+            # outside the fused kernels' conditions torch takes the math path on every device
+            return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if device_type == "cuda":
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
+        else:
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)
+        return out[0]
+
+    nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        nn.functional.scaled_dot_product_attention = original
+
+
+class _Recorder(TorchDispatchMode):
+    """Counts live tensor storages (by weak reference) and per-operator FLOPs and bytes."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        super().__init__()
+        self.exclude = exclude  # storages of parameters and buffers (model data, not traced)
+        self.sizes: dict[int, int] = {}
+        self.alloc_op: dict[int, int] = {}
+        self.cur = 0
+        self.live: list[int] = []
+        self.flops: list[float] = []
+        self.io: list[int] = []
+
+    def _free(self, key: int) -> None:
+        self.cur -= self.sizes.pop(key)
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.sizes or key in self.exclude:
+            return
+        n = storage.nbytes()
+        self.sizes[key] = n
+        self.alloc_op[key] = len(self.live)
+        self.cur += n
+        weakref.finalize(storage, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = self.cur
+        out = func(*args, **kwargs)
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for t in flat_out:
+            self._track(t)
+        counter = flop_registry.get(func._overloadpacket)
+        flops = float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
+        self.flops.append(flops)
+        self.io.append(sum(t.numel() * t.element_size() for t in flat_in + flat_out))
+        self.live.append(max(before, self.cur))
+        return out
+
+
+def _units(model: nn.Module) -> tuple[list[str], list[nn.Module], dict[nn.Parameter, int]]:
+    """ZeRO-3's default units (``colossal.zero``'s rule: the root, then every child of an
+    ``nn.ModuleList``) and the innermost unit enclosing every module that uses each parameter."""
+    picked = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m.children()}
+    names = [""] + [n for n, m in model.named_modules() if id(m) in picked and m is not model]
+    mods = [model] + [m for m in model.modules() if id(m) in picked and m is not model]
+    index = {id(m): i for i, m in enumerate(mods)}
+    owner: dict[nn.Parameter, set[int]] = {}
+
+    def walk(module: nn.Module, cur: int) -> None:
+        cur = index.get(id(module), cur)
+        for p in module.parameters(recurse=False):
+            owner.setdefault(p, set()).add(cur)
+        for child in module.children():
+            walk(child, cur)
+
+    walk(model, 0)
+    unit_of = {p: (next(iter(us)) if len(us) == 1 else 0) for p, us in owner.items()}
+    return names, mods, unit_of
+
+
+def trace_model(
+    factory: Callable[[], nn.Module],
+    *,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    inputs: Callable[[int, int], tuple] | None = None,
+    loss: Callable[..., torch.Tensor] | None = None,
+    vocab_size: int | None = None,
+    device_type: str = "cpu",
+) -> ModelTrace:
+    """Trace one training step of ``factory()`` on the meta device.
+
+    ``factory`` is called under ``torch.device("meta")`` (a factory that builds on another device
+    explicitly still gets moved to meta, with its weights dropped). ``inputs(batch, seq)`` makes the
+    positional inputs (default: token ids of shape ``(batch, seq)`` below ``vocab_size``, or the
+    model's ``config.vocab_size``); ``loss(output, *inputs)`` the scalar loss (default:
+    :func:`lm_loss`). ``dtype`` is the working precision the activations have (the model is cast
+    to it); ``activation_checkpointing`` calls the model's ``set_activation_checkpointing(True)``
+    or ``gradient_checkpointing_enable()``. ``device_type`` (``"cpu"`` or ``"cuda"``) is the device the
+    step will run on: attention is traced with that device's fused kernel.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    model = model.to(device="meta", dtype=dtype) if dtype.is_floating_point else model.to("meta")
+    if activation_checkpointing:
+        if hasattr(model, "set_activation_checkpointing"):
+            model.set_activation_checkpointing(True)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        else:
+            raise ValueError(
+                f"activation_checkpointing=True, but {type(model).__name__} has neither "
+                "set_activation_checkpointing() nor gradient_checkpointing_enable()"
+            )
+    model.train()
+    if inputs is None:
+        vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is None:
+            raise ValueError(f"cannot make token ids for {type(model).__name__}: give vocab_size= or inputs=")
+        args: tuple = (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
+    else:
+        args = tuple(inputs(batch, seq))
+    loss_fn = loss or lm_loss
+
+    seen: set[int] = set()
+    params: list[tuple[str, nn.Parameter]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append((name, p))
+    exclude = {p.untyped_storage()._cdata for _, p in params} | {b.untyped_storage()._cdata for b in model.buffers()}
+    unit_names, unit_mods, unit_of = _units(model)
+    rec = _Recorder(exclude)
+    forward: dict[int, list[int]] = {}
+    backward: dict[int, int] = {}
+    hooks = []
+
+    def on_forward_start(i: int) -> None:
+        forward.setdefault(i, [len(rec.live), -1])
+
+    def on_forward_end(i: int) -> None:
+        forward[i][1] = len(rec.live)
+
+    def on_backward_start(i: int) -> None:
+        backward.setdefault(i, len(rec.live))
+
+    for i, mod in enumerate(unit_mods):  # hooks must return None: a value would replace the inputs
+        hooks.append(mod.register_forward_pre_hook(lambda *_, i=i: on_forward_start(i)))
+        hooks.append(mod.register_forward_hook(lambda *_, i=i: on_forward_end(i)))
+        hooks.append(mod.register_full_backward_pre_hook(lambda *_, i=i: on_backward_start(i)))
+    try:
+        with _fused_attention(device_type), rec:
+            out = model(*args)
+            value = loss_fn(out, *args)
+            del out
+            start = len(rec.live)
+            with warnings.catch_warnings():  # a unit whose inputs need no gradient (the embedding's)
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                value.backward()
+            del value
+    finally:
+        for h in hooks:
+            h.remove()
+    grad_keys = {}
+    for i, (_, p) in enumerate(params):
+        if p.grad is not None:
+            grad_keys[p.grad.untyped_storage()._cdata] = i
+    grad_op = [-1] * len(params)
+    for key, i in grad_keys.items():
+        grad_op[i] = rec.alloc_op.get(key, start)
+    # Gradients are model data: their bytes leave the live series from the operator that made them
+    # (each engine puts them back by its own rule; plain PyTorch keeps each one to the step).
+    live = list(rec.live)
+    drop = [0] * (len(live) + 1)
+    for key, i in grad_keys.items():
+        if key in rec.alloc_op:
+            drop[rec.alloc_op[key]] += params[i][1].numel() * params[i][1].element_size()
+    acc = 0
+    for j in range(len(live)):
+        acc += drop[j]
+        # the operator that produced a gradient still held it as an incoming tensor: count it there
+        live[j] -= acc - drop[j]
+    infos = tuple(ParamInfo(name, p.numel(), p.dtype, p.requires_grad, unit_of.get(p, 0)) for name, p in params)
+    return ModelTrace(
+        params=infos,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+        live=tuple(live),
+        flops=tuple(rec.flops),
+        io_bytes=tuple(rec.io),
+        backward_start=start,
+        grad_op=tuple(grad_op),
+        units=tuple(unit_names),
+        unit_forward=tuple(tuple(forward.get(i, [0, start])) for i in range(len(unit_mods))),
+        unit_backward=tuple(backward.get(i, start) for i in range(len(unit_mods))),
+        tokens=batch * seq,
+        input_bytes=sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)),
+    )

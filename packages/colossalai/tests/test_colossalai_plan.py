@@ -1,0 +1,135 @@
+"""``colossal.planner`` against the real engines, and ``colossalai plan``.
+
+The predicted peak of one rank (device + host: one allocator on a CPU-only machine) against
+torch's own allocator events over a steady-state step, for DDP and ZeRO 1/2/3 with and without
+offload, fp32 and bf16, with and without activation checkpointing, on 1 and 2 gloo ranks. The
+full set (and step times) is ``packages/colossal-planner/bench/bench_validate_planner.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import colossal.comm as cc
+from colossal.comm.testing import run_distributed
+from colossal.planner import Layout, predict_memory, trace_model
+from colossal.planner.trace import lm_loss
+from colossal.testkit.memory import measure_allocations
+from colossalai.cli.main import main
+from colossalai.models import GPT, GPTConfig
+
+B, T = 4, 64
+
+
+def _cfg() -> GPTConfig:  # a fresh one: set_activation_checkpointing writes to the config
+    return GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=256, block_size=T)
+
+
+def _measure(cases: list[tuple[Layout, bool]]) -> list[int]:
+    cc.ensure_process_group("test_plan")
+    return [_measure_one(layout, ckpt) for layout, ckpt in cases]
+
+
+def _measure_one(layout: Layout, ckpt: bool) -> int:
+    """Peak of step 2, from a window opened before the model exists (everything of the run is in
+    it, nothing of an earlier case is freed inside it: the function's locals die with it)."""
+    torch.manual_seed(0)
+    with measure_allocations() as (allocs, mark):
+        model = GPT(_cfg())
+        model.set_activation_checkpointing(ckpt)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if layout.engine == "ddp":
+            module = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        else:
+            from colossal.zero import ZeroOptimizer
+
+            module = model
+            opt = ZeroOptimizer(opt, model, stage=layout.zero_stage, offload=layout.offload,
+                                param_dtype=layout.precision)  # fmt: skip
+        x = torch.randint(0, 256, (B // layout.dp, T))
+        for step in range(3):
+            with mark(f"step{step}"):
+                lm_loss(module(x), x).backward()
+                opt.step()
+                opt.zero_grad()
+    return allocs.peak("step2")
+
+
+def _predicted(layout: Layout, ckpt: bool) -> int:
+    dtype = torch.float32 if layout.engine == "ddp" else layout.precision
+    trace = trace_model(lambda: GPT(_cfg()), batch=B // layout.dp, seq=T, dtype=dtype, activation_checkpointing=ckpt)
+    return predict_memory(trace, layout, device_type="cpu").breakdown["combined"]
+
+
+ONE = [
+    (Layout(engine="ddp"), False),
+    (Layout(engine="ddp"), True),
+    (Layout(engine="zero", zero_stage=1), False),
+    (Layout(engine="zero", zero_stage=2, offload=True), False),
+    (Layout(engine="zero", zero_stage=1, precision="bf16"), False),
+    (Layout(engine="zero", zero_stage=3), False),
+    (Layout(engine="zero", zero_stage=3, offload=True), True),
+    (Layout(engine="zero", zero_stage=3, precision="bf16"), True),
+]
+TWO = [  # the two-rank cases whose measured peak does not depend on when Python's cycle collector runs
+    (Layout(engine="zero", dp=2, zero_stage=1), False),
+    (Layout(engine="zero", dp=2, zero_stage=1, offload=True), False),
+    (Layout(engine="zero", dp=2, zero_stage=3), False),
+]
+
+
+@pytest.mark.timeout(300)
+def test_predicted_peak_matches_the_engines():
+    # one process group per case, as the bench does: a process's first collectives and engine set-up
+    # allocate lazily (gloo, DDP's reducer), which a later case's window would not see again
+    measured = [run_distributed(_measure, lay.dp, [(lay, ck)], timeout=120)[0][0] for lay, ck in ONE + TWO]
+    errors = []
+    for (layout, ckpt), got in zip(ONE + TWO, measured, strict=True):
+        want = _predicted(layout, ckpt)
+        errors.append((f"{layout.label}{' ckpt' if ckpt else ''}", (want - got) / got))
+    # measured (bench_validate_planner.py): within 1.2% on one rank, 2% on two. ZeRO-2 and bf16 ZeRO-3
+    # on two ranks measure one gradient bucket more or less from run to run (gc-dependent: always the
+    # larger with gc disabled); those are in the bench, not here
+    bad = [(name, f"{100 * e:+.1f}%") for name, e in errors if abs(e) > 0.05]
+    assert not bad, bad
+
+
+def test_plan_command_prints_the_best_layout(capsys):
+    assert main(["plan", "--preset", "small", "--hardware", "rtx3090", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT small" in out and "RTX 3090" in out
+    assert "best: " in out and "colossalai train --nproc 1 --model gpt --preset small" in out
+    assert "booster = Booster(plugin=" in out
+
+
+def test_plan_json_says_what_does_not_fit(capsys):
+    # the seed's laptop: a 6 GiB RTX 2060 with 16 GiB of RAM, a 1.3 B GPT
+    argv = ["plan", "--preset", "1.3b", "--hardware", "laptop-rtx2060", "--json", "--batch-size", "1",
+            "--seq-len", "1024", "--activation-checkpointing"]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["layouts"]}
+    ddp = rows["ddp dp1 fp32"]
+    assert not ddp["fits"] and "on the device, has 6.0 GiB" in ddp["shortfalls"][0]
+    offload = rows["zero2+offload dp1 bf16"]  # fits the card, not the laptop's RAM
+    assert not offload["fits"] and "of host memory per node, has 16.0 GiB" in offload["shortfalls"][0]
+    disk = rows["gemini-auto+disk dp1 bf16"]
+    assert disk["fits"] and disk["tiers"]["disk"] > 0 and "--disk-dir" in disk["command"]
+    assert all(r["tiers"]["device"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hardware", "h10O"], "did you mean 'h100'"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--model", "no-such-model"], "--model must be one of"),
+        (["--hardware", "dgx-h100", "--batch-size", "12"], "not divisible by the 8 devices"),
+    ],
+)
+def test_plan_bad_arguments_exit_2_with_one_line(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
