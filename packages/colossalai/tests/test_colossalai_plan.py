@@ -133,3 +133,19 @@ def test_plan_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_plan_reads_a_hugging_face_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--hardware", "rtx3090", "--json", "--batch-size", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"].startswith("llama") and out["seq"] == 128
+    rows = {r["layout"]: r for r in out["layouts"]}
+    assert rows["ddp dp1 fp32"]["fits"] and rows["ddp dp1 fp32"]["command"] is None  # train runs built-in models
+    assert "GeminiPlugin" in rows["gemini-auto dp1 bf16"]["booster_code"]
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-arch"}')
+    assert main(["plan", "--model", str(tmp_path), "--hardware", "rtx3090"]) == 2
+    assert "no-such-arch" in capsys.readouterr().err

@@ -106,6 +106,10 @@ class Coefficients:
     ``(per step, per parameter tensor)``, fitted on two tiny models by ``colossalai plan
     --calibrate`` (the meta-package runs the engines; the planner only reads the figures). Hooks,
     bookkeeping and Python loops of each engine: what no operator count shows."""
+    attention_curve: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict, hash=False)
+    """Fused attention (``scaled_dot_product_attention``, causal, forward + backward) at three sizes:
+    dtype name -> ``[(flops, FLOP/s), ...]``; on a CPU the bf16 backward runs several times slower
+    than fp32."""
     matmul_curve: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict, hash=False)
     """Square matmuls of several sizes (CPU 32-512, CUDA 256-4096): dtype name -> ``[(flops of one
     call, FLOP/s), ...]``, smallest first. The roofline reads each operator's rate from it
@@ -184,6 +188,7 @@ class Coefficients:
         changes: dict[str, Any] = dict(
             peak_flops={**hardware.peak_flops, **self.matmul_flops},
             matmul_curve=dict(self.matmul_curve) or hardware.matmul_curve,
+            attention_curve=dict(self.attention_curve) or hardware.attention_curve,
             memory_bandwidth=self.elementwise_bandwidth,
             host_link_bandwidth=min(self.copy_bandwidth_h2d, self.copy_bandwidth_d2h),
             disk_read_bandwidth=self.disk_read_bandwidth,
@@ -201,6 +206,7 @@ class Coefficients:
         data["collective"] = {op: list(pair) for op, pair in self.collective.items()}
         data["matmul_curve"] = {k: [list(p) for p in v] for k, v in self.matmul_curve.items()}
         data["engine_overhead"] = {k: list(v) for k, v in self.engine_overhead.items()}
+        data["attention_curve"] = {k: [list(p) for p in v] for k, v in self.attention_curve.items()}
         return {**data, "matmul_flops": dict(self.matmul_flops), "machine": dict(self.machine)}
 
     @classmethod
@@ -212,6 +218,7 @@ class Coefficients:
         data = dict(data)
         data.setdefault("matmul_curve", {})  # files written before the curve existed
         data.setdefault("op_overhead_by_dtype", {})
+        data["attention_curve"] = {k: [tuple(p) for p in v] for k, v in data.get("attention_curve", {}).items()}
         data["engine_overhead"] = {k: tuple(v) for k, v in data.get("engine_overhead", {}).items()}
         data["matmul_curve"] = {k: [tuple(p) for p in v] for k, v in data["matmul_curve"].items()}
         if set(data) != names:
@@ -283,6 +290,34 @@ def _matmul_curve(
     for dtype in _MATMUL_DTYPES:
         name = str(dtype).removeprefix("torch.")
         out[name] = [(2.0 * n**3, 2.0 * n**3 / _matmul_seconds(n, dtype, device, sync, share)) for n in sizes]
+    return out
+
+
+def _attention_curve(
+    device: torch.device, sync: Callable[[], None], budget: float
+) -> dict[str, list[tuple[float, float]]]:
+    """FLOP/s of causal fused attention, forward + backward, at three sizes per dtype (fp32, bf16)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    shapes = [(1, 4, 64, 16), (2, 4, 256, 32), (2, 8, 512, 64)]
+    if device.type == "cuda":
+        shapes = [(2, 8, 512, 64), (2, 16, 2048, 128), (2, 32, 4096, 128)]
+    share = budget / (2 * len(shapes))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        points = []
+        for shape in shapes:
+            q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+            g = torch.randn(shape, dtype=dtype, device=device)
+
+            def run(q=q, k=k, v=v, g=g):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+            flops = sdpa_flop_count(q.shape, k.shape, v.shape) + sdpa_backward_flop_count(
+                g.shape, q.shape, k.shape, v.shape
+            )
+            points.append((float(flops), flops / _timed(run, sync, share)))
+        out[str(dtype).removeprefix("torch.")] = points
     return out
 
 
@@ -551,7 +586,8 @@ def calibrate(
     budget = {name: share * seconds for name, share in _SHARES.items()}
     with torch.profiler.record_function("colossal.planner::calibrate.compute"):
         matmul = _matmul_flops(dev, sync, budget["matmul"] * 0.7)
-        curve = _matmul_curve(dev, sync, budget["matmul"] * 0.3)
+        curve = _matmul_curve(dev, sync, budget["matmul"] * 0.2)
+        attention = _attention_curve(dev, sync, budget["matmul"] * 0.1)
         elementwise = _elementwise_bandwidth(dev, sync, budget["elementwise"])
         h2d, d2h = _copy_bandwidths(dev, sync, budget["copy"])
         overhead = _op_overhead(dev, sync, budget["overhead"] / 2)
@@ -581,6 +617,7 @@ def calibrate(
         machine=_machine(dev),
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         matmul_curve=curve,
+        attention_curve=attention,
         op_overhead_by_dtype={"float32": overhead, "bfloat16": overhead_bf16},
     )
 

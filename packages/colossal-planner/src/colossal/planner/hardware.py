@@ -90,6 +90,9 @@ class Hardware:
     """Measured matmul FLOP/s by size: dtype name -> ``[(flops of one call, FLOP/s achieved), ...]``
     in increasing size (from :func:`~colossal.planner.calibrate`); ``None``: ``peak_flops`` at every
     size. Small matmuls run far below peak (on a CPU, bf16 ones most of all)."""
+    attention_curve: dict[str, list[tuple[float, float]]] | None = dataclasses.field(default=None, hash=False)
+    """The same for fused attention (forward + backward of ``scaled_dot_product_attention``);
+    ``None``: :meth:`matmul_rate`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -131,16 +134,14 @@ class Hardware:
         """FLOP/s of one operator of ``flops`` FLOPs: :attr:`matmul_curve` interpolated on log-log
         axes (clamped at its ends), else the peak."""
         name = _dtype_name(dtype, "dtype")
-        curve = (self.matmul_curve or {}).get(name)
-        if not curve:
-            return self.peak_flops[name]
-        if flops <= curve[0][0]:
-            return curve[0][1]
-        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
-            if flops <= f1:
-                t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
-        return curve[-1][1]
+        return _interpolate((self.matmul_curve or {}).get(name), flops, self.peak_flops[name])
+
+    def attention_rate(self, dtype: torch.dtype | str, flops: float) -> float:
+        """FLOP/s of a fused attention kernel of ``flops`` FLOPs (:attr:`attention_curve`, else
+        :meth:`matmul_rate`)."""
+        name = _dtype_name(dtype, "dtype")
+        curve = (self.attention_curve or {}).get(name)
+        return _interpolate(curve, flops, 0.0) if curve else self.matmul_rate(dtype, flops)
 
     def with_(self, **changes: Any) -> Hardware:
         """A copy with ``changes`` (field name -> value) applied and validated."""
@@ -168,8 +169,10 @@ class Hardware:
             f.name: dict(self.peak_flops) if f.name == "peak_flops" else getattr(self, f.name)
             for f in dataclasses.fields(self)
         }
-        if self.matmul_curve is not None:
-            out["matmul_curve"] = {k: [list(p) for p in v] for k, v in self.matmul_curve.items()}
+        for name in ("matmul_curve", "attention_curve"):
+            curve = getattr(self, name)
+            if curve is not None:
+                out[name] = {k: [list(p) for p in v] for k, v in curve.items()}
         return out
 
     @classmethod
@@ -186,9 +189,23 @@ class Hardware:
         if missing:
             raise ValueError(f"Hardware.from_dict: missing key(s) {missing}")
         data = dict(data)
-        if data.get("matmul_curve") is not None:
-            data["matmul_curve"] = {k: [tuple(p) for p in v] for k, v in data["matmul_curve"].items()}
+        for name in ("matmul_curve", "attention_curve"):
+            if data.get(name) is not None:
+                data[name] = {k: [tuple(p) for p in v] for k, v in data[name].items()}
         return cls(**data)
+
+
+def _interpolate(curve: list[tuple[float, float]] | None, flops: float, default: float) -> float:
+    """``curve`` (``(flops, rate)`` pairs, increasing) at ``flops`` on log-log axes, clamped at its ends."""
+    if not curve:
+        return default
+    if flops <= curve[0][0]:
+        return curve[0][1]
+    for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+        if flops <= f1:
+            t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+    return curve[-1][1]
 
 
 def _check_count(field: str, value: Any) -> None:

@@ -122,7 +122,11 @@ def predict_step_time(
     the part of the optimizer step a sharded engine runs on the host (Gemini's offloaded blocks)."""
     bw = hardware.memory_bandwidth
     rate = functools.lru_cache(maxsize=None)(lambda f: hardware.matmul_rate(layout.precision, f))
-    per_op = [max(f / rate(f) if f else 0.0, b / bw) for f, b in zip(trace.flops, trace.io_bytes, strict=True)]
+    attn = functools.lru_cache(maxsize=None)(lambda f: hardware.attention_rate(layout.precision, f))
+    per_op = [
+        max((f / (attn(f) if a else rate(f))) if f else 0.0, b / bw)
+        for f, b, a in zip(trace.flops, trace.io_bytes, trace.attention, strict=True)
+    ]
     compute = sum(per_op) + trace.ops * op_overhead
     compute += engine_overhead[0] + engine_overhead[1] * len(trace.params)
     backward = sum(per_op[trace.backward_start :])

@@ -12,6 +12,13 @@ forward, the loss and one backward on a meta batch, and records, per dispatched 
 * where each parameter's gradient is produced, and where each module's forward and backward
   start and end (what the engines' gather/free and bucket rules are applied to).
 
+[Note: data-dependent branches]
+A meta tensor has no values, so ``.item()`` / ``bool(t)`` inside the model cannot be answered from
+data. The trace answers ``True`` for a boolean and 0 for a number: the common path of the checks
+models make on their inputs (Hugging Face's test for packed sequences, "all positions
+consecutive", is true for an ordinary batch). A model whose memory depends on its data (MoE token
+routing, say) is traced as if every such check took that path.
+
 [Note: what the trace is and is not]
 The trace is the plain single-process step. Engines change the model-state side only (where
 parameters, gradients and optimizer states live, and what is gathered when); the activation side
@@ -34,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = ["ParamInfo", "ModelTrace", "trace_model", "lm_loss"]
 
@@ -82,6 +89,9 @@ class ModelTrace:
     """Per operator: FLOPs (0 for operators without a formula: element-wise work is counted in bytes)."""
     io_bytes: tuple[int, ...]
     """Per operator: bytes of its tensor inputs and outputs."""
+    attention: tuple[bool, ...]
+    """Per operator: whether it is a fused attention kernel (forward or backward), whose achieved
+    FLOP/s differ from a matmul's (on a CPU, bf16 flash attention's backward most of all)."""
     backward_start: int
     """Index of the first operator of the backward pass (forward = operators before it)."""
     grad_op: tuple[int, ...]
@@ -158,9 +168,12 @@ def _fused_attention(device_type: str):
     original = nn.functional.scaled_dot_product_attention
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or enable_gqa or q.dim() != 4 or q.shape[-1] != v.shape[-1]:
+        if attn_mask is not None or q.dim() != 4 or q.shape[-1] != v.shape[-1]:
             # outside the fused kernels' conditions torch takes the math path on every device
             return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa and k.shape[1] != q.shape[1]:  # grouped-query attention: the kernels see repeated heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         if device_type == "cuda":
             out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
         else:
@@ -172,6 +185,10 @@ def _fused_attention(device_type: str):
         yield
     finally:
         nn.functional.scaled_dot_product_attention = original
+
+
+_META_SCALARS = {torch.bool: True, torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 0.0, torch.float64: 0.0}
+"""What ``.item()`` of a meta tensor returns in a trace (see [Note: data-dependent branches])."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -186,6 +203,7 @@ class _Recorder(TorchDispatchMode):
         self.live: list[int] = []
         self.flops: list[float] = []
         self.io: list[int] = []
+        self.attention: list[bool] = []  # fused attention kernels: their own rate (Hardware.attention_rate)
 
     def _free(self, key: int) -> None:
         self.cur -= self.sizes.pop(key)
@@ -203,15 +221,26 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            # [Note: data-dependent branches] a meta tensor has no value; the model's own checks on
+            # its inputs (Hugging Face's "are these packed sequences?") take the common path
+            return _META_SCALARS.get(args[0].dtype, 0)
         before = self.cur
         out = func(*args, **kwargs)
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in flat_out:
             self._track(t)
-        counter = flop_registry.get(func._overloadpacket)
-        flops = float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
+        packet = func._overloadpacket
+        counter = flop_registry.get(packet)
+        if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:  # not in torch's registry
+            flops = float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+        elif packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            flops = float(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+        else:
+            flops = float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
         self.flops.append(flops)
+        self.attention.append("attention" in packet.__name__)
         self.io.append(sum(t.numel() * t.element_size() for t in flat_in + flat_out))
         self.live.append(max(before, self.cur))
         return out
@@ -318,7 +347,10 @@ def trace_model(
         hooks.append(mod.register_forward_hook(lambda *_, i=i: on_forward_end(i)))
         hooks.append(mod.register_full_backward_pre_hook(lambda *_, i=i: on_backward_start(i)))
     try:
-        with _fused_attention(device_type), rec:
+        with _fused_attention(device_type), rec, warnings.catch_warnings():
+            # the root's backward hook cannot see through a model output object (Hugging Face's):
+            # its backward start is then the loss's, which is what it is
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
             out = model(*args)
             value = loss_fn(out, *args)
             del out
@@ -360,6 +392,7 @@ def trace_model(
         live=tuple(live),
         flops=tuple(rec.flops),
         io_bytes=tuple(rec.io),
+        attention=tuple(rec.attention),
         backward_start=start,
         grad_op=tuple(grad_op),
         units=tuple(unit_names),

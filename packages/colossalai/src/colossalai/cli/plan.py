@@ -179,8 +179,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     trace_params = sum(p.numel() for p in _count_params(factory))
-    table = Table(title=f"{label} ({trace_params / 1e9:.2f} B parameters), batch {args.batch_size} x {args.seq_len} "
-                  f"tokens, on {hw.name}")  # fmt: skip
+    size = f"{trace_params / 1e9:.2f} B" if trace_params >= 1e9 else f"{trace_params / 1e6:.1f} M"
+    table = Table(title=f"{label} ({size} parameters), batch {args.batch_size} x {args.seq_len} tokens, on {hw.name}")
     for col in ("layout", "device", "host", "disk", "step", "tokens/s", "MFU", "fits"):
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
     for c in cands:
