@@ -117,8 +117,10 @@ class ChunkPlan:
 
 def plan_chunks(trace: ModelTrace, layout: Layout) -> ChunkPlan:
     """The chunks of ``trace``'s parameters under ``layout`` (``ChunkManager.__init__``)."""
-    if any(not p.requires_grad for p in trace.params):
-        raise NotImplementedError("Gemini supports trainable parameters only: every parameter must require grad")
+    frozen = [p.name for p in trace.params if not p.requires_grad]
+    if frozen:  # GeminiDDP refuses them too (ChunkManager: "frozen parameters are not supported")
+        shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+        raise NotImplementedError(f"Gemini trains only models whose parameters all require grad; frozen: {shown}")
     world = 1 if layout.keep_gathered else layout.dp
     numels = tuple(p.numel for p in trace.params)
     size = layout.chunk_size or search_chunk_size(numels, align=world)

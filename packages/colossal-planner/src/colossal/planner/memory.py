@@ -238,11 +238,8 @@ def _zero(trace: ModelTrace, layout: Layout, device_type: str) -> MemoryPredicti
             bgather = trace.unit_backward[nxt] if nxt is not None else bstart  # prefetched in backward
             ops = [trace.grad_op[i] for i in f.index if trace.grad_op[i] >= 0]
             tl.hold(min(bgather, bstart), max(ops) if ops else trace.ops - 1, f.padded * w)
-            if trace.activation_checkpointing and nxt is not None:
-                # the recomputed forward of this unit runs its pre-forward hook, which prefetches the
-                # next unit in forward order; that unit's backward already ran, so it stays gathered
-                # until on_backward_end (stage3.Stage3Engine._make_pre_forward)
-                tl.hold(bstart, trace.ops - 1, flats[nxt].padded * w)
+            # under activation checkpointing the recomputed forward neither prefetches nor frees
+            # ([Note: recomputation in backward] in colossal.zero.stage3): the rules above hold
         reduce_order = order[::-1] + [0]  # Stage3: units in reverse order, the root last
         grads = _reduce(trace, tl, flats, w, False, reduce_order, gloo)
     else:

@@ -53,6 +53,9 @@ class Candidate:
     mfu: float
     """Model FLOPs (``6 * params * tokens``, plus attention, from the trace's forward x 3) over the
     hardware's peak FLOP/s of all ranks, for the step time."""
+    runnable: bool = True
+    """False when the engine cannot run the model at all (its reason is the only shortfall; the
+    figures are zero)."""
 
     @property
     def tiers(self) -> TierBytes:
@@ -201,7 +204,12 @@ def plan(
     out = []
     for lay in layouts:
         trace = trace_for(lay.precision, batch // lay.dp)
-        mem = predict_memory(trace, lay, device_type=hardware.device_type, device_memory=hardware.device_memory)
+        try:
+            mem = predict_memory(trace, lay, device_type=hardware.device_type, device_memory=hardware.device_memory)
+        except NotImplementedError as exc:  # the engine refuses this model (Gemini and frozen parameters)
+            none = MemoryPrediction(TierBytes(device=0), {})
+            out.append(Candidate(lay, none, False, (str(exc),), {}, StepTime(0.0, 0.0, 0.0, 0.0), 0.0, 0.0, False))
+            continue
         moved = mem.breakdown.get("bytes_moved_per_step", 0)
         disk = (mem.breakdown.get("disk_read_per_step", 0), mem.breakdown.get("disk_written_per_step", 0))
         t = predict_step_time(
@@ -231,5 +239,5 @@ def plan(
             )
         )
     fit = sorted((c for c in out if c.fits), key=lambda c: c.time.total)
-    unfit = sorted((c for c in out if not c.fits), key=lambda c: c.tiers.device / hardware.device_memory)
-    return fit + unfit
+    unfit = sorted((c for c in out if not c.fits and c.runnable), key=lambda c: c.tiers.device / hardware.device_memory)
+    return fit + unfit + [c for c in out if not c.runnable]

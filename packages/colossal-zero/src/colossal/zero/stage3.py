@@ -22,6 +22,12 @@ parameter must live in the unit that encloses *all* of its owners' units (their 
 ancestor in the unit tree, as FSDP does), else it is freed while another owner computes with it: an
 embedding tied to a ``nn.Linear`` head with ``wrap_policy=(nn.Linear,)`` used to put the shared
 weight in the head's unit, and the root's embedding read freed storage.
+
+[Note: recomputation in backward]
+Activation checkpointing runs a unit's forward again inside backward, just before that unit's own
+backward. Its pre-forward hook must not prefetch the next unit in forward order (whose backward has
+already run: it would be gathered for nothing and held to the end of backward), and its
+post-forward hook must not free the unit (its backward needs it next, and would gather it again).
 """
 
 from __future__ import annotations
@@ -102,6 +108,12 @@ def _common_unit(found: set[int], parent: list[int]) -> int:
     return next(u for u in chains[0] if all(u in c for c in chains[1:]))
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (the recomputation of activation
+    checkpointing runs a unit's forward there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Stage3Engine:
     """Installs and runs the stage-3 hooks over a list of :class:`Unit`."""
 
@@ -151,7 +163,8 @@ class Stage3Engine:
                 self.order.append(unit)
             self.wait_unshard(unit)
             nxt = unit.fwd_index + 1 if unit.fwd_index is not None else None
-            if self.prefetch and self.order_frozen and nxt is not None and nxt < len(self.order):
+            recompute = _in_backward()  # [Note: recomputation in backward]
+            if self.prefetch and self.order_frozen and not recompute and nxt is not None and nxt < len(self.order):
                 self.start_unshard(self.order[nxt])
 
         return hook
@@ -160,7 +173,8 @@ class Stage3Engine:
         def hook(module, args, output):
             if unit.is_root:
                 self.order_frozen = True
-            if not unit.is_root or self.reshard_root or not torch.is_grad_enabled():
+            recompute = _in_backward()  # its backward runs next: keep it gathered for it
+            if (not unit.is_root or self.reshard_root or not torch.is_grad_enabled()) and not recompute:
                 self.reshard(unit)
             if torch.is_grad_enabled():
                 unit.in_backward = False

@@ -184,6 +184,9 @@ def plan_command(args: argparse.Namespace) -> int:
     for col in ("layout", "device", "host", "disk", "step", "tokens/s", "MFU", "fits"):
         table.add_column(col, justify="left" if col in ("layout", "fits") else "right")
     for c in cands:
+        if not c.runnable:
+            table.add_row(c.layout.label, *["-"] * 6, "no")
+            continue
         fits = "yes" if c.fits else "no"
         table.add_row(c.layout.label, format_bytes(c.tiers.device), format_bytes(c.tiers.host_total),
                       format_bytes(c.tiers.disk), f"{c.time.total * 1e3:.0f} ms", f"{c.tokens_per_second:,.0f}",
