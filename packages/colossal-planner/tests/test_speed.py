@@ -65,3 +65,42 @@ def test_engine_and_dispatch_costs_add_up(trace):
     assert ddp.optimizer - flat.optimizer == pytest.approx(10 * (len(trace.params) - 1) * 1e-5, rel=0.05)
     with_host = predict_step_time(trace, Layout(engine="gemini"), hw, op_overhead=0.0, host_fraction=1.0)
     assert with_host.optimizer > predict_step_time(trace, Layout(engine="gemini"), hw, op_overhead=0.0).optimizer
+
+
+def test_bad_layouts_and_curves_are_named(trace):
+    from colossal.planner import Layout as L
+    from colossal.planner import plan, predict_memory
+
+    for kw, msg in [
+        (dict(engine="zero", zero_stage=1, dp=True), "Layout.dp must be a positive int, got True"),
+        (dict(engine="ddp", ddp_bucket_cap_mb=0), "Layout.ddp_bucket_cap_mb must be a positive int, got 0"),
+        (dict(engine="gemini", chunk_size=0), "Layout.chunk_size must be a positive int or None, got 0"),
+        (dict(engine="gemini", offload_optim_frac="0.5"), "Layout.offload_optim_frac must be in"),
+        (dict(engine="gemini", device_budget=-1), "Layout.device_budget"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            L(**kw)
+    assert L(engine="gemini", device_budget="2GiB").device_budget == 2 << 30  # as GeminiPlugin reads it
+    hw = hardware_preset("rtx3090")
+    with pytest.raises(ValueError, match="matmul_curve"):
+        hw.with_(matmul_curve={"float32": [(0, -5)]})
+    with pytest.raises(ValueError, match="needs 8 ranks, GeForce RTX 3090 24GB has 1 devices"):
+        plan(trace, batch=8, seq=32, hardware=hw, layouts=[L(engine="zero", zero_stage=3, dp=8)])
+    with pytest.raises(ValueError, match="the trace given is of batch=2, seq=32"):
+        plan(trace, batch=8, seq=32, hardware=hw, layouts=[L(engine="zero", zero_stage=3)])
+    with pytest.raises(ValueError, match="a Gemini layout needs a device budget"):
+        predict_memory(trace, L(engine="gemini"), device_type="cuda")
+
+
+def test_on_a_cpu_the_tiers_share_the_ram(trace):
+    from colossal.planner import Layout as L
+    from colossal.planner import plan
+
+    cpu = hardware_preset("rtx3090").with_(device_type="cpu")
+    lay = L(engine="zero", zero_stage=2, offload=True)
+    (roomy,) = plan(trace, batch=2, seq=32, hardware=cpu, layouts=[lay])
+    combined = roomy.memory.breakdown["combined"]
+    ram = combined - 1  # one byte short of the device and host peaks together
+    (short,) = plan(trace, batch=2, seq=32, hardware=cpu.with_(device_memory=ram, host_memory=ram), layouts=[lay])
+    assert roomy.fits and not short.fits
+    assert "of RAM per node (device and host tiers share it)" in short.shortfalls[0]

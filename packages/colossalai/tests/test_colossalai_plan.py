@@ -101,7 +101,8 @@ def test_plan_command_prints_the_best_layout(capsys):
     assert main(["plan", "--preset", "small", "--hardware", "rtx3090", "--batch-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "GPT small" in out and "RTX 3090" in out
-    assert "best: " in out and "colossalai train --nproc 1 --model gpt --preset small" in out
+    assert "best: " in out and "colossalai train --nproc 1 --model gpt --preset small --vocab-size" in out
+    assert "--no-activation-checkpointing" in out and "not calibrated" in out
     assert "booster = Booster(plugin=" in out
 
 

@@ -115,6 +115,10 @@ class Hardware:
         for field in ("link_latency", "inter_node_latency"):
             object.__setattr__(self, field, _check_rate(field, getattr(self, field), allow_zero=True))
         object.__setattr__(self, "peak_flops", _check_flops(self.peak_flops))
+        for field in ("matmul_curve", "attention_curve"):
+            curve = getattr(self, field)
+            if curve is not None:
+                object.__setattr__(self, field, _check_curve(field, curve))
 
     @property
     def world_size(self) -> int:
@@ -193,6 +197,28 @@ class Hardware:
             if data.get(name) is not None:
                 data[name] = {k: [tuple(p) for p in v] for k, v in data[name].items()}
         return cls(**data)
+
+
+def _check_curve(field: str, curve: Any) -> dict[str, list[tuple[float, float]]]:
+    """A ``{dtype name: [(flops, FLOP/s), ...]}`` curve: known dtypes, positive finite pairs, sizes
+    increasing."""
+    if not isinstance(curve, dict):
+        raise ValueError(f"Hardware.{field} must be a dict of dtype -> [(flops, FLOP/s), ...], got {curve!r}")
+    out = {}
+    for key, points in curve.items():
+        name = _dtype_name(key, f"Hardware.{field} key")
+        try:
+            pairs = [(float(f), float(r)) for f, r in points]
+        except (TypeError, ValueError):
+            raise ValueError(f"Hardware.{field}[{key!r}] must be (flops, FLOP/s) pairs, got {points!r}") from None
+        bad = [p for p in pairs if not (math.isfinite(p[0]) and math.isfinite(p[1]) and p[0] > 0 and p[1] > 0)]
+        if not pairs or bad or any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])):
+            raise ValueError(
+                f"Hardware.{field}[{key!r}] must be positive finite (flops, FLOP/s) pairs with flops increasing, "
+                f"got {points!r}"
+            )
+        out[name] = pairs
+    return out
 
 
 def _interpolate(curve: list[tuple[float, float]] | None, flops: float, default: float) -> float:

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from colossal.comm import as_dtype
+from colossal.comm import as_bytes, as_dtype
 
 __all__ = ["Layout", "TierBytes", "OPTIMIZER_STATES"]
 
@@ -77,8 +77,20 @@ class Layout:
         object.__setattr__(self, "precision", as_dtype(self.precision))
         if self.engine not in ENGINES:
             raise ValueError(f"Layout.engine must be one of {ENGINES}, got {self.engine!r}")
-        if not isinstance(self.dp, int) or self.dp < 1:
-            raise ValueError(f"Layout.dp must be a positive int, got {self.dp!r}")
+        for name in ("dp", "bucket_numel", "ddp_bucket_cap_mb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{name} must be a positive int, got {v!r}")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                            or self.chunk_size < 1):  # fmt: skip
+            raise ValueError(f"Layout.chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        for name in ("device_budget", "host_budget"):  # "2GiB" as the engines take it
+            v = getattr(self, name)
+            if v is not None:
+                v = as_bytes(v, f"Layout.{name}")
+                if v < 1:
+                    raise ValueError(f"Layout.{name} must be positive, got {v!r}")
+                object.__setattr__(self, name, v)
         if self.engine == "zero" and self.zero_stage not in (1, 2, 3):
             raise ValueError(f"Layout.zero_stage must be 1, 2 or 3 for engine='zero', got {self.zero_stage!r}")
         if self.placement not in ("static", "auto"):
@@ -95,7 +107,7 @@ class Layout:
             "disk_optim_frac",
         ):
             v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
                 raise ValueError(f"Layout.{name} must be in [0, 1], got {v!r}")
 
     @property

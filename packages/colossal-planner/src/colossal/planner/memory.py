@@ -284,8 +284,18 @@ def _zero(trace: ModelTrace, layout: Layout, device_type: str) -> MemoryPredicti
     )
 
 
-def predict_memory(trace: ModelTrace, layout: Layout, *, device_type: str = "cpu", device_memory: int | None = None):
-    """Peak bytes per tier of one rank running ``layout`` on the traced step (a :class:`MemoryPrediction`)."""
+def predict_memory(
+    trace: ModelTrace, layout: Layout, *, device_type: str = "cpu", device_memory: int | None = None
+) -> MemoryPrediction:
+    """Peak bytes per tier of one rank running ``layout`` on the traced step (a :class:`MemoryPrediction`).
+
+    ``device_memory`` is the device's capacity: Gemini plans its placement within it (or within
+    ``layout.device_budget``), so one of the two is required for a Gemini layout.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if layout.engine == "gemini" and layout.device_budget is None and not device_memory:
+        raise ValueError("a Gemini layout needs a device budget: give device_memory= or Layout(device_budget=...)")
     if layout.engine == "ddp":
         return _ddp(trace, layout, device_type)
     if layout.engine == "zero":

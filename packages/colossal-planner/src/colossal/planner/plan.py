@@ -62,26 +62,41 @@ class Candidate:
         """Shortcut for ``memory.tiers``."""
         return self.memory.tiers
 
-    def command(self, model_flags: str, batch: int, seq: int) -> str:
+    checkpointing: bool = False
+    """Whether the prediction assumed activation checkpointing (the command and code say so)."""
+    nodes: int = 1
+    """Nodes the layout spans (``colossalai train`` launches on one)."""
+
+    @property
+    def device_budget(self) -> int | None:
+        """The device budget Gemini was planned with (its own budget, else the device's memory)."""
+        return self.memory.breakdown.get("budget") if self.layout.engine == "gemini" else None
+
+    def command(self, model_flags: str, batch: int, seq: int) -> str | None:
         """A ``colossalai train`` command line running this layout (``model_flags``: the model's own,
-        e.g. ``"--model gpt --preset 1.3b"``)."""
+        e.g. ``"--model gpt --preset 1.3b"``), or ``None`` where the command line cannot say it: a
+        layout over several nodes, or Gemini's static placement with optimizer states on the device
+        (``offload_optim_frac`` has no flag; :meth:`booster_code` sets it)."""
         lay = self.layout
+        if self.nodes > 1 or (lay.engine == "gemini" and (lay.offload_optim_frac != 1.0 or lay.offload_param_frac)):
+            return None
         prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lay.precision]
         plugin = {"ddp": "ddp", "zero": "zero", "gemini": "gemini"}[lay.engine]
         parts = ["colossalai train", f"--nproc {lay.dp}", f"{model_flags}", f"--plugin {plugin}",
-                 f"--batch-size {batch}", f"--seq-len {seq}", f"--precision {prec}"]  # fmt: skip
+                 f"--batch-size {batch}", f"--seq-len {seq}", f"--precision {prec}",
+                 "--activation-checkpointing" if self.checkpointing else "--no-activation-checkpointing"]  # fmt: skip
         if lay.engine == "zero":
             parts.append(f"--zero-stage {lay.zero_stage}")
             if lay.offload:
                 parts.append("--offload")
         if lay.engine == "gemini":
             parts.append(f"--placement {lay.placement}")
-            if lay.device_budget is not None:
-                parts.append(f"--device-budget {lay.device_budget}")
+            if self.device_budget:
+                parts.append(f"--device-budget {self.device_budget}")
             if lay.disk:
                 parts.append("--disk-dir /path/to/fast/disk")
                 if lay.host_budget is not None:
-                    parts.append(f"--host-budget {format_bytes(lay.host_budget).replace(' ', '')}")
+                    parts.append(f"--host-budget {lay.host_budget}")
         return " ".join(parts)
 
     def booster_code(self) -> str:
@@ -94,18 +109,26 @@ class Candidate:
             plugin = f"ZeroPlugin(stage={lay.zero_stage}, offload={lay.offload})"
         else:
             args = [f'placement="{lay.placement}"']
-            if lay.device_budget is not None:
-                args.append(f"device_memory_budget={lay.device_budget}")
+            if self.device_budget:
+                args.append(f"device_memory_budget={self.device_budget}")
+            if lay.placement == "static":
+                args.append(f"offload_optim_frac={lay.offload_optim_frac}")
+                if lay.offload_param_frac:
+                    args.append(f"offload_param_frac={lay.offload_param_frac}")
             if lay.disk:
                 args.append('disk_dir="/path/to/fast/disk"')
                 if lay.host_budget is not None:
                     args.append(f"host_memory_budget={lay.host_budget}")
             plugin = f"GeminiPlugin({', '.join(args)})"
-        return (
-            "from colossalai.booster import Booster, " + plugin.split("(")[0] + "\n"
-            f'booster = Booster(plugin={plugin}, mixed_precision="{prec}")\n'
+        lines = ["from colossalai.booster import Booster, " + plugin.split("(")[0]]
+        if self.checkpointing:
+            lines.append("# planned with activation checkpointing: model.set_activation_checkpointing(True), or")
+            lines.append("# model.gradient_checkpointing_enable() on a Hugging Face model")
+        lines.append(f'booster = Booster(plugin={plugin}, mixed_precision="{prec}")')
+        lines.append(
             "model, optimizer, criterion, dataloader, _ = booster.boost(model, optimizer, criterion, dataloader)"
         )
+        return "\n".join(lines)
 
 
 def candidate_layouts(
@@ -127,8 +150,15 @@ def candidate_layouts(
     return out
 
 
-def _shortfalls(tiers: TierBytes, hw: Hardware, ranks_per_node: int) -> list[str]:
-    out = []
+def _shortfalls(mem: MemoryPrediction, hw: Hardware, ranks_per_node: int) -> list[str]:
+    tiers, out = mem.tiers, []
+    if hw.device_type == "cpu":  # device and host tiers are one RAM: their peak together must fit
+        combined = mem.breakdown.get("combined", tiers.device + tiers.host_total) * ranks_per_node
+        if combined > hw.host_memory:
+            out.append(
+                f"needs {format_bytes(combined)} of RAM per node (device and host tiers share it), "
+                f"has {format_bytes(hw.host_memory)}"
+            )
     if tiers.device > hw.device_memory:
         out.append(f"needs {format_bytes(tiers.device)} on the device, has {format_bytes(hw.device_memory)}")
     host = tiers.host_total * ranks_per_node
@@ -166,21 +196,40 @@ def plan(
     (:class:`~colossal.planner.Coefficients`): host seconds per operator and per engine."""
     precision = as_dtype(precision)
     world = hardware.world_size
+    if layouts is None and isinstance(model, ModelTrace):  # one trace: every layout in its precision
+        precision = model.dtype
+        layouts = candidate_layouts(
+            world, precision, host_budget=hardware.host_memory // hardware.devices_per_node // 2
+        )
+        if precision != torch.float32:  # the DDP layout is the fp32 step
+            layouts = [lay for lay in layouts if lay.engine != "ddp"]
     if layouts is None:
         # the disk tier's layout keeps half of each rank's share of the host RAM for Gemini
         layouts = candidate_layouts(
             world, precision, host_budget=hardware.host_memory // hardware.devices_per_node // 2
         )
     for lay in layouts:
+        if lay.dp > world:
+            raise ValueError(f"{lay.label} needs {lay.dp} ranks, {hardware.name} has {world} devices")
         if batch % lay.dp:
             raise ValueError(f"batch={batch} is not divisible by the {lay.dp} data-parallel ranks of {lay.label}")
     traces: dict[tuple[torch.dtype, int], ModelTrace] = {}
 
+    def given(trace: ModelTrace, dtype: torch.dtype, micro: int) -> ModelTrace:
+        if (trace.batch, trace.seq, trace.dtype) != (micro, seq, dtype):
+            raise ValueError(
+                f"the trace given is of batch={trace.batch}, seq={trace.seq}, dtype={trace.dtype}; this layout "
+                f"needs batch={micro} (the micro-batch of one rank), seq={seq}, dtype={dtype}"
+            )
+        return trace
+
     def trace_for(dtype: torch.dtype, micro: int) -> ModelTrace:
         if isinstance(model, ModelTrace):
-            return model
+            return given(model, dtype, micro)
         if isinstance(model, dict):
-            return model[dtype]
+            if dtype not in model:
+                raise ValueError(f"no trace for dtype {dtype} among the traces given ({sorted(map(str, model))})")
+            return given(model[dtype], dtype, micro)
         key = (dtype, micro)
         if key not in traces:
             traces[key] = trace_model(
@@ -208,7 +257,8 @@ def plan(
             mem = predict_memory(trace, lay, device_type=hardware.device_type, device_memory=hardware.device_memory)
         except NotImplementedError as exc:  # the engine refuses this model (Gemini and frozen parameters)
             none = MemoryPrediction(TierBytes(device=0), {})
-            out.append(Candidate(lay, none, False, (str(exc),), {}, StepTime(0.0, 0.0, 0.0, 0.0), 0.0, 0.0, False))
+            none_t = StepTime(0.0, 0.0, 0.0, 0.0)
+            out.append(Candidate(lay, none, False, (str(exc),), {}, none_t, 0.0, 0.0, runnable=False))
             continue
         moved = mem.breakdown.get("bytes_moved_per_step", 0)
         disk = (mem.breakdown.get("disk_read_per_step", 0), mem.breakdown.get("disk_written_per_step", 0))
@@ -221,8 +271,9 @@ def plan(
             disk_bytes=disk,
             n_step_tensors=mem.breakdown.get("optimizer_tensors", 1),
             engine_overhead=(engine_overhead or {}).get(lay.engine_key, (0.0, 0.0)),
+            host_fraction=mem.breakdown.get("optimizer_host_permille", 0) / 1000,
         )
-        short = _shortfalls(mem.tiers, hardware, min(lay.dp, hardware.devices_per_node))
+        short = _shortfalls(mem, hardware, min(lay.dp, hardware.devices_per_node))
         tokens = batch * seq / t.total
         model_flops = 3 * trace.forward_flops * lay.dp  # forward + backward (2x), without recomputation
         mfu = model_flops / t.total / (hardware.flops(lay.precision) * lay.dp)
@@ -236,8 +287,15 @@ def plan(
                 t,
                 tokens,
                 mfu,
+                checkpointing=activation_checkpointing,
+                nodes=-(-lay.dp // hardware.devices_per_node),
             )
         )
     fit = sorted((c for c in out if c.fits), key=lambda c: c.time.total)
-    unfit = sorted((c for c in out if not c.fits and c.runnable), key=lambda c: c.tiers.device / hardware.device_memory)
+
+    def over(c: Candidate) -> float:  # the worst tier's need over what the hardware has
+        t, per_node = c.tiers, min(c.layout.dp, hardware.devices_per_node)
+        return max(t.device / hardware.device_memory, t.host_total * per_node / hardware.host_memory)
+
+    unfit = sorted((c for c in out if not c.fits and c.runnable), key=over)
     return fit + unfit + [c for c in out if not c.runnable]

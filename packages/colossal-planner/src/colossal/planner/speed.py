@@ -146,10 +146,14 @@ def predict_step_time(
     inter = hardware.nodes > 1 and n > hardware.devices_per_node
     link = hardware.inter_node_bandwidth if inter else hardware.intra_node_bandwidth
     alpha = hardware.inter_node_latency if inter else hardware.link_latency
+    reductions = 0.0  # gradient reductions: these overlap backward on CUDA
     for op, nbytes in comm_calls(trace, layout, n_step_tensors):
-        comm += alpha + nbytes * _FACTOR[op](n) / link
-    if hardware.device_type == "cuda":
-        comm = max(0.0, comm - backward)
+        t = alpha + nbytes * _FACTOR[op](n) / link
+        if op in ("all_reduce", "reduce_scatter"):
+            reductions += t
+        else:
+            comm += t
+    comm += max(0.0, reductions - backward) if hardware.device_type == "cuda" else reductions
     copies = 0.0
     if layout.engine == "zero" and layout.offload:
         w = _itemsize(layout.precision)

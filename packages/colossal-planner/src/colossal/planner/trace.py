@@ -23,9 +23,8 @@ routing, say) is traced as if every such check took that path.
 The trace is the plain single-process step. Engines change the model-state side only (where
 parameters, gradients and optimizer states live, and what is gathered when); the activation side
 is the model's own and is the same under every layout of the same micro-batch, precision and
-checkpointing. Tensor, sequence and pipeline parallelism change the activation side too:
-:mod:`colossal.planner.memory` scales it by the documented split of each, the trace does not
-re-run per layout.
+checkpointing. Tensor, sequence and pipeline parallelism change the activation side too; the planner
+does not predict them yet.
 """
 
 from __future__ import annotations
@@ -283,12 +282,13 @@ def trace_model(
 
     ``factory`` is called under ``torch.device("meta")`` (a factory that builds on another device
     explicitly still gets moved to meta, with its weights dropped). ``inputs(batch, seq)`` makes the
-    positional inputs (default: token ids of shape ``(batch, seq)`` below ``vocab_size``, or the
-    model's ``config.vocab_size``); ``loss(output, *inputs)`` the scalar loss (default:
-    :func:`lm_loss`). ``dtype`` is the working precision the activations have (the model is cast
-    to it); ``activation_checkpointing`` calls the model's ``set_activation_checkpointing(True)``
-    or ``gradient_checkpointing_enable()``. ``device_type`` (``"cpu"`` or ``"cuda"``) is the device the
-    step will run on: attention is traced with that device's fused kernel.
+    positional inputs (run under ``torch.device("meta")``; default: token ids of shape
+    ``(batch, seq)`` below ``vocab_size``, or the model's ``config.vocab_size``);
+    ``loss(output, *inputs)`` the scalar loss (default: :func:`lm_loss`). ``dtype`` is the working
+    precision the activations have (the model is cast to it); ``activation_checkpointing`` calls
+    the model's ``set_activation_checkpointing(True)`` or ``gradient_checkpointing_enable()``.
+    ``device_type`` (``"cpu"`` or ``"cuda"``) is the device the step will run on: attention is
+    traced with that device's fused kernel.
     """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
@@ -317,7 +317,8 @@ def trace_model(
             raise ValueError(f"cannot make token ids for {type(model).__name__}: give vocab_size= or inputs=")
         args: tuple = (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
     else:
-        args = tuple(inputs(batch, seq))
+        with torch.device("meta"):  # tensors the callback makes land on the meta device (no memory)
+            args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in inputs(batch, seq))
     loss_fn = loss or lm_loss
 
     seen: set[int] = set()

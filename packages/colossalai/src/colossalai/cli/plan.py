@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -55,11 +56,10 @@ def _model_factory(args: argparse.Namespace):
             args.seq_len = block or 128
         elif block is not None and args.seq_len > block:
             raise UsageError(f"--seq-len {args.seq_len} is longer than the {preset} preset's block size {block}")
-        return (
-            (lambda: _build_meta(family, preset)),
-            f"--model {args.model} --preset {preset}",
-            f"{family.label} {preset}",
-        )
+        flags = f"--model {args.model} --preset {preset}"
+        if getattr(config, "vocab_size", None):  # the vocabulary planned with (train's default differs)
+            flags += f" --vocab-size {config.vocab_size}"
+        return (lambda: _build_meta(family, preset)), flags, f"{family.label} {preset}"
     path = pathlib.Path(args.model)
     if path.is_dir():
         path = path / "config.json"
@@ -70,11 +70,14 @@ def _model_factory(args: argparse.Namespace):
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise UsageError("--model config.json needs transformers: pip install 'colossal-stack[hf]'") from exc
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path.parent))
+        config = transformers.AutoConfig.from_pretrained(str(path))  # this file, not its folder's config.json
     except (ValueError, OSError) as exc:
         raise UsageError(f"cannot read {path}: {exc}") from exc
+    positions = getattr(config, "max_position_embeddings", None)
     if args.seq_len is None:
-        args.seq_len = min(getattr(config, "max_position_embeddings", 2048) or 2048, 2048)
+        args.seq_len = min(positions or 2048, 2048)
+    elif positions is not None and args.seq_len > positions:
+        raise UsageError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings {positions}")
     factory = lambda: transformers.AutoModelForCausalLM.from_config(config)  # noqa: E731
     return factory, None, f"{config.model_type} ({path})"
 
@@ -91,6 +94,8 @@ def _hardware(args: argparse.Namespace):
     from colossal.planner import hardware_preset, load_coefficients, this_machine
 
     coefficients = None
+    if args.disk_dir is not None and not os.path.isdir(args.disk_dir):
+        raise UsageError(f"--disk-dir {args.disk_dir!r} is not a directory")
     if args.calibrate:
         from colossal.planner import calibrate, save_coefficients
 
@@ -167,13 +172,14 @@ def plan_command(args: argparse.Namespace) -> int:
                 "tokens_per_second": c.tokens_per_second,
                 "mfu": c.mfu,
                 "command": c.command(model_flags, args.batch_size, args.seq_len) if model_flags else None,
+                "checkpointing": c.checkpointing,
                 "booster_code": c.booster_code(),
             }  # fmt: skip
             for c in cands
         ]
         print(json.dumps({"model": label, "hardware": hw.to_dict(), "batch": args.batch_size, "seq": args.seq_len,
                           "layouts": rows}, indent=2, default=str))  # fmt: skip
-        return 0
+        return 0 if any(c.fits for c in cands) else 1
     from rich.console import Console
     from rich.table import Table
 
@@ -192,6 +198,9 @@ def plan_command(args: argparse.Namespace) -> int:
                       format_bytes(c.tiers.disk), f"{c.time.total * 1e3:.0f} ms", f"{c.tokens_per_second:,.0f}",
                       f"{100 * c.mfu:.0f}%", fits)  # fmt: skip
     console.print(table)
+    if coefficients is None:
+        console.print("speed: datasheet peaks, not calibrated (upper bounds); --hardware this --calibrate measures",
+                      markup=False, highlight=False)  # fmt: skip
     for c in cands:
         if not c.fits:
             console.print(f"{c.layout.label}: " + "; ".join(c.shortfalls), markup=False, highlight=False)
@@ -201,8 +210,9 @@ def plan_command(args: argparse.Namespace) -> int:
         return 1
     console.print(f"best: {best.layout.label}", markup=False, highlight=False)
     # plain prints: a command and code must not be re-wrapped to the terminal's width
-    if model_flags is not None:  # `colossalai train` runs the built-in families
-        print("  " + best.command(model_flags, args.batch_size, args.seq_len))
+    command = best.command(model_flags, args.batch_size, args.seq_len) if model_flags is not None else None
+    if command is not None:  # `colossalai train` runs the built-in families, on one node
+        print("  " + command)
     print(best.booster_code())
     return 0
 
