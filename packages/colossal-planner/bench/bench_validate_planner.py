@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -65,6 +66,7 @@ def measure(case: Case) -> dict:
         _, step = build_engine(model, case.layout)
         x = torch.randint(0, cfg.vocab_size, (per_rank, case.seq))
         for i in range(3):
+            gc.collect()  # garbage cycles left by earlier steps (or set-up) are not the step's memory
             with mark(f"step{i}"):
                 step(x)
     for _ in range(TIMED):  # timed outside the profiler, which slows every operator

@@ -125,7 +125,7 @@ def plan_chunks(trace: ModelTrace, layout: Layout) -> ChunkPlan:
     numels = tuple(p.numel for p in trace.params)
     size = layout.chunk_size or search_chunk_size(numels, align=world)
     size = -(-size // world) * world  # divisible by the ranks a chunk is split over
-    itemsize = torch.empty((), dtype=layout.precision).element_size()
+    itemsize = layout.precision.itemsize
     chunks = tuple(tuple(idx) for idx in pack(numels, size))
     return ChunkPlan(size=size, world=world, itemsize=itemsize, chunks=chunks, numels=numels)
 

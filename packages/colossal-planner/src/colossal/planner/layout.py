@@ -11,6 +11,7 @@ from colossal.comm import as_bytes, as_dtype
 __all__ = ["Layout", "TierBytes", "OPTIMIZER_STATES"]
 
 ENGINES = ("ddp", "zero", "gemini")
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 OPTIMIZER_STATES: dict[str, int] = {
     "adamw": 2,
@@ -131,12 +132,18 @@ class Layout:
         return "ddp"
 
     @property
+    def precision_name(self) -> str:
+        """``"fp32"``, ``"bf16"`` or ``"fp16"``: the spelling ``colossalai train --precision`` and the
+        Booster's ``mixed_precision`` take."""
+        return _NAMES[self.precision]
+
+    @property
     def label(self) -> str:
         """A short human name: ``"zero3+offload dp4 bf16"``."""
         name = self.engine_key
         if self.engine == "gemini" and self.placement == "static" and self.offload_optim_frac < 1.0:
             name += f" optim{100 * (1 - self.offload_optim_frac):.0f}%@device"
-        prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.precision]
+        prec = self.precision_name
         return f"{name} dp{self.dp} {prec}"
 
 

@@ -46,10 +46,6 @@ class MemoryPrediction:
     """Named parts of the device peak (``params``, ``grads``, ``optimizer_states``, ``activations``, ...)."""
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 class _Timeline:
     """Model data held per operator: a constant plus allocations and frees at operators."""
 
@@ -95,7 +91,7 @@ def _ddp(trace: ModelTrace, layout: Layout, device_type: str) -> MemoryPredictio
     """torch DDP (``gradient_as_bucket_view=True``, as ``TorchDDPPlugin`` sets it): the buckets are
     allocated at construction and are the gradients; an incoming gradient is copied into its
     bucket view and freed (it is in the trace's series at the operator that makes it)."""
-    w = _itemsize(layout.precision)
+    w = layout.precision.itemsize
     trainable = [p.numel for p in trace.params if p.requires_grad]
     params = trace.numel * w + trace.buffer_bytes
     buckets = sum(trainable) * w
@@ -211,7 +207,7 @@ def _reduce(
 
 
 def _zero(trace: ModelTrace, layout: Layout, device_type: str) -> MemoryPrediction:
-    w = _itemsize(layout.precision)
+    w = layout.precision.itemsize
     stage = layout.zero_stage
     flats = _units(trace, layout) if stage == 3 else _buckets(trace, layout)
     frozen = sum(p.numel for p in trace.params if not p.requires_grad)

@@ -80,10 +80,8 @@ class Candidate:
         lay = self.layout
         if self.nodes > 1 or (lay.engine == "gemini" and (lay.offload_optim_frac != 1.0 or lay.offload_param_frac)):
             return None
-        prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lay.precision]
-        plugin = {"ddp": "ddp", "zero": "zero", "gemini": "gemini"}[lay.engine]
-        parts = ["colossalai train", f"--nproc {lay.dp}", f"{model_flags}", f"--plugin {plugin}",
-                 f"--batch-size {batch}", f"--seq-len {seq}", f"--precision {prec}",
+        parts = ["colossalai train", f"--nproc {lay.dp}", f"{model_flags}", f"--plugin {lay.engine}",
+                 f"--batch-size {batch}", f"--seq-len {seq}", f"--precision {lay.precision_name}",
                  "--activation-checkpointing" if self.checkpointing else "--no-activation-checkpointing"]  # fmt: skip
         if lay.engine == "zero":
             parts.append(f"--zero-stage {lay.zero_stage}")
@@ -102,7 +100,6 @@ class Candidate:
     def booster_code(self) -> str:
         """The Booster lines that run this layout on the user's own model."""
         lay = self.layout
-        prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[lay.precision]
         if lay.engine == "ddp":
             plugin = "TorchDDPPlugin()"
         elif lay.engine == "zero":
@@ -124,7 +121,7 @@ class Candidate:
         if self.checkpointing:
             lines.append("# planned with activation checkpointing: model.set_activation_checkpointing(True), or")
             lines.append("# model.gradient_checkpointing_enable() on a Hugging Face model")
-        lines.append(f'booster = Booster(plugin={plugin}, mixed_precision="{prec}")')
+        lines.append(f'booster = Booster(plugin={plugin}, mixed_precision="{lay.precision_name}")')
         lines.append(
             "model, optimizer, criterion, dataloader, _ = booster.boost(model, optimizer, criterion, dataloader)"
         )
@@ -196,18 +193,16 @@ def plan(
     (:class:`~colossal.planner.Coefficients`): host seconds per operator and per engine."""
     precision = as_dtype(precision)
     world = hardware.world_size
-    if layouts is None and isinstance(model, ModelTrace):  # one trace: every layout in its precision
-        precision = model.dtype
-        layouts = candidate_layouts(
-            world, precision, host_budget=hardware.host_memory // hardware.devices_per_node // 2
-        )
-        if precision != torch.float32:  # the DDP layout is the fp32 step
-            layouts = [lay for lay in layouts if lay.engine != "ddp"]
     if layouts is None:
+        one_trace = isinstance(model, ModelTrace)
+        if one_trace:  # every layout in the trace's precision
+            precision = model.dtype
         # the disk tier's layout keeps half of each rank's share of the host RAM for Gemini
         layouts = candidate_layouts(
             world, precision, host_budget=hardware.host_memory // hardware.devices_per_node // 2
         )
+        if one_trace and precision != torch.float32:  # the DDP layout is the fp32 step
+            layouts = [lay for lay in layouts if lay.engine != "ddp"]
     for lay in layouts:
         if lay.dp > world:
             raise ValueError(f"{lay.label} needs {lay.dp} ranks, {hardware.name} has {world} devices")

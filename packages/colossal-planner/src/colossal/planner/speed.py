@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-
 from colossal.planner.hardware import Hardware
 from colossal.planner.layout import Layout
 from colossal.planner.trace import ModelTrace
@@ -56,10 +54,6 @@ class StepTime:
         return self.compute + self.optimizer + self.comm + self.copies
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def comm_calls(trace: ModelTrace, layout: Layout, buffers: int = 1) -> list[tuple[str, int]]:
     """The collectives one rank issues per step, as ``(op, message bytes)`` (nccl-tests convention:
     the full buffer of an all-reduce, the gathered output of an all-gather, the input of a
@@ -72,7 +66,7 @@ def comm_calls(trace: ModelTrace, layout: Layout, buffers: int = 1) -> list[tupl
     n = layout.dp
     if n == 1:
         return []
-    w = _itemsize(layout.precision)
+    w = layout.precision.itemsize
     trainable = [p for p in trace.params if p.requires_grad]
     grads = sum(p.numel for p in trainable) * w
     params = trace.numel * w
@@ -156,7 +150,7 @@ def predict_step_time(
     comm += max(0.0, reductions - backward) if hardware.device_type == "cuda" else reductions
     copies = 0.0
     if layout.engine == "zero" and layout.offload:
-        w = _itemsize(layout.precision)
+        w = layout.precision.itemsize
         moved_bytes += share * (w + w)  # gradients down, updated parameters up
     copies += moved_bytes / hardware.host_link_bandwidth
     copies += disk_bytes[0] / hardware.disk_read_bandwidth + disk_bytes[1] / hardware.disk_write_bandwidth

@@ -63,7 +63,7 @@ class ParamInfo:
     @property
     def nbytes(self) -> int:
         """Bytes in its own dtype."""
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,10 +140,6 @@ class ModelTrace:
     def total_flops(self) -> float:
         """FLOPs of forward + backward (+ recomputation under activation checkpointing)."""
         return sum(self.flops)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def lm_loss(output: Any, idx: torch.Tensor) -> torch.Tensor:
