@@ -87,15 +87,18 @@ def _rank(init, kind, rank_dependent, zero_kw, freeze=False):
         zero.backward(_loss(model, *_batch(step, r), skip))
         zero.step()
         zero.zero_grad()
-    return zero.full_model_state_dict()
+    # a frozen parameter has no master ([Note: frozen parameters] in colossal.zero.optimizer)
+    masters = [p.requires_grad for f in zero.flats if f.group_index is not None for p in f.params]
+    return zero.full_model_state_dict(), all(masters), any(not p.requires_grad for f in zero.flats for p in f.params)
 
 
 CASES = [
-    ("adamw", False, dict(stage=1)),
+    ("adamw", False, dict(stage=1, freeze=True)),
     ("adamw", False, dict(stage=2, freeze=True)),
     ("adamw", True, dict(stage=2)),
     ("adamw", False, dict(stage=3)),
     ("adamw", True, dict(stage=2, offload=True)),
+    ("adamw", False, dict(stage=3, offload=True, freeze=True)),  # stage 3: every rank runs every module
     ("lamb", True, dict(stage=2)),
 ]
 
@@ -105,7 +108,13 @@ def test_params_without_grad_match_torch(kind, rank_dependent, zero_kw):
     zero_kw = dict(zero_kw)
     freeze = zero_kw.pop("freeze", False)
     init, want = _reference(kind, rank_dependent, freeze)
-    for sd in run_distributed(_rank, 2, init, kind, rank_dependent, zero_kw, freeze, timeout=120):
+    for sd, no_frozen_master, frozen_in_flats in run_distributed(
+        _rank, 2, init, kind, rank_dependent, zero_kw, freeze, timeout=120
+    ):
+        assert no_frozen_master
+        assert frozen_in_flats == (freeze and zero_kw["stage"] == 3)  # stage 3 shards it; 1/2 keep it whole
+        if freeze:
+            assert torch.equal(sd["emb.weight"], init["emb.weight"])
         assert torch.equal(sd["unused.weight"], init["unused.weight"])  # never stepped: not even decayed
         for k, v in want.items():
             assert ((sd[k] - v).norm() / v.norm()).item() < 1e-5, k

@@ -109,6 +109,22 @@ def _gather(manager, shard: torch.Tensor) -> torch.Tensor:
     return comm.all_gather(shard.detach().to(dev, torch.float32), group=manager.group, tag="gemini.state").cpu()
 
 
+def _values(manager, chunk) -> torch.Tensor:
+    """This rank's shard of the chunk's values: the fp32 master, or a frozen chunk's working shard
+    (it has no master: [Note: frozen chunks] in ``colossal.gemini.chunk``)."""
+    return manager.read_working(chunk) if chunk.frozen else chunk.master
+
+
+def _set_values(manager, chunk, values: torch.Tensor) -> None:
+    """Set this rank's shard of the chunk's values (master and working data, or a frozen chunk's
+    working shard)."""
+    if chunk.frozen:
+        manager.write_working(chunk, values)
+        return
+    chunk.master.copy_(values)
+    manager.refresh_working(chunk)
+
+
 def _names(ddp) -> dict[torch.nn.Parameter, list[str]]:
     names: dict = {}
     for n, p in ddp.module.named_parameters(remove_duplicate=False):
@@ -124,7 +140,7 @@ def model_state_dict(ddp) -> dict[str, torch.Tensor]:
     ([Note: state is collective])."""
     m, names, out = ddp.manager, _names(ddp), {}
     for chunk in m.chunks:
-        full = _gather(m, chunk.master)
+        full = _gather(m, _values(m, chunk))
         for info in chunk.tensors:
             value = full[info.offset : info.offset + info.numel].view(info.param.shape).clone()
             for n in names[info.param]:
@@ -154,14 +170,13 @@ def load_model_state_dict(ddp, state: dict[str, torch.Tensor], strict: bool = Tr
     for chunk in m.chunks:
         lo, hi = chunk.shard_range(m.rank)
         full = torch.zeros(chunk.size, dtype=torch.float32)
-        full[lo:hi] = chunk.master.detach().cpu()  # a non-strict load keeps what the state lacks
+        full[lo:hi] = _values(m, chunk).detach().cpu()  # a non-strict load keeps what the state lacks
         for info in chunk.tensors:
             key = next((n for n in names[info.param] if n in state), None)
             if key is not None:
                 full[info.offset : info.offset + info.numel] = state[key].reshape(-1).float()
         with torch.no_grad():
-            chunk.master.copy_(full[lo:hi])
-            m.refresh_working(chunk)
+            _set_values(m, chunk, full[lo:hi])
     with torch.no_grad():
         for n, b in _buffers(ddp.module):
             if n in state:
@@ -199,7 +214,10 @@ def _layouts(optim, with_state: bool = True) -> list:
                 lo=lo,
                 hi=hi,
                 states=states,
-                scalars=[known.get(info.name, UNKNOWN) for info in chunk.tensors] if with_state else [],
+                # a frozen parameter has no state on any rank ([Note: frozen chunks] in chunk.py)
+                scalars=[None if chunk.frozen else known.get(info.name, UNKNOWN) for info in chunk.tensors]
+                if with_state
+                else [],
             )
         )
     return out
@@ -289,8 +307,9 @@ def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
     """The pieces this rank writes in the flat-slice format (module note): views of its own master
     slices and optimizer states, scalars, and whole buffers; nothing is gathered."""
     sd, fakes = {}, _fakes(optimizer)
+    values = {c.id: _values(model.manager, c) for c in model.manager.chunks if c.frozen}
     for chunk, info, start, (lo, hi) in _my_slices(model.manager):
-        sd[f"model/{info.name}@{start}"] = chunk.master.detach()[lo:hi]
+        sd[f"model/{info.name}@{start}"] = values.get(chunk.id, chunk.master).detach()[lo:hi]
         for k, t in optimizer.optim.state.get(fakes.get((chunk.id, lo)), {}).items() if optimizer else ():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 sd[f"optim/{info.name}/{k}@{start}"] = t.detach()
@@ -477,11 +496,12 @@ def load_sharded(path: str, model, optimizer=None, *, strict: bool = True):
 
 def _apply(m, optimizer, wanted: dict, targets: list) -> None:
     fakes = _fakes(optimizer)
+    frozen = {c.id: _values(m, c) for c in m.chunks if c.frozen}  # written back whole below
     for prefix, chunk, lo, start, stop, key, s in targets:
         a, b = max(start, s), min(stop, s + wanted[key].numel())
         src = wanted[key][a - s : b - s]
         if prefix.startswith("model/"):
-            chunk.master[lo + a - start : lo + b - start].copy_(src)
+            frozen.get(chunk.id, chunk.master)[lo + a - start : lo + b - start].copy_(src)
             continue
         fake = fakes[(chunk.id, lo)]
         state = optimizer.optim.state.setdefault(fake, {})
@@ -490,4 +510,7 @@ def _apply(m, optimizer, wanted: dict, targets: list) -> None:
             state[k] = torch.zeros_like(fake)
         state[k][a - start : b - start].copy_(src)
     for chunk in m.chunks:
-        m.refresh_working(chunk)
+        if chunk.frozen:
+            m.write_working(chunk, frozen[chunk.id])
+        else:
+            m.refresh_working(chunk)

@@ -19,6 +19,18 @@ Per rank a chunk holds (``S`` = chunk elements, ``N`` = data-parallel ranks):
 * ``grad_buffer`` ``(S,)`` working precision on the device, only from the first gradient of a
   backward pass until the chunk is reduced;
 * ``master`` and ``grad_shard`` ``(S/N,)`` fp32 on ``o_tier`` (with the optimizer states).
+
+[Note: frozen chunks]
+Parameters that do not require grad (a frozen base under LoRA) are packed into chunks of their own
+(``Chunk.frozen``; a chunk never mixes frozen and trainable parameters). A frozen chunk is only its
+working data: no fp32 master, no gradient shard or buffer, no optimizer states, never reduced, never
+stepped, so the working shard is the only copy of its values (in bf16 under bf16 mixed precision: 2
+bytes per parameter instead of 16). It is fetched, gathered, released and evicted like any chunk;
+with a disk tier its disk region stays clean (nothing writes the values), so an eviction to disk
+writes nothing after the first time. State dicts read and write its working shard
+(``ChunkManager.read_working`` / ``write_working``) where they would read and write a master. Its
+tensors leave HOLD_AFTER_BWD at the end of backward through :meth:`Chunk.after_frozen_backward`
+(no gradient ever moves them to READY_FOR_REDUCE).
 """
 
 from __future__ import annotations
@@ -104,7 +116,9 @@ class TensorInfo:
 class Chunk:
     """A flat buffer of ``size`` elements shared by several parameters (see the module docstring)."""
 
-    def __init__(self, chunk_id: int, size: int, dtype: torch.dtype, device: torch.device, world_size: int):
+    def __init__(
+        self, chunk_id: int, size: int, dtype: torch.dtype, device: torch.device, world_size: int, frozen: bool = False
+    ):
         if size % world_size:
             raise ValueError(f"chunk size {size} must be divisible by the data-parallel size {world_size}")
         self.id = chunk_id
@@ -112,6 +126,7 @@ class Chunk:
         self.shard_size = size // world_size
         self.dtype = dtype
         self.world_size = world_size
+        self.frozen = frozen  # parameters without gradients only: working data alone ([Note: frozen chunks])
         self.tensors: list[TensorInfo] = []
         self.used = 0  # elements taken by tensors; the rest is padding
         self.payload = torch.empty(size, dtype=dtype, device=device)
@@ -248,6 +263,16 @@ class Chunk:
         for info in self.tensors:
             self.transition(info, target)
             info.grads = 0
+
+    def after_frozen_backward(self) -> None:
+        """End of backward for a frozen chunk ([Note: frozen chunks]): every tensor its backward operators
+        left (HOLD_AFTER_BWD) goes back to HOLD, or FREE when the chunk is released."""
+        if not self.frozen:
+            raise IllegalTransitionError(f"chunk {self.id}: after_frozen_backward on a chunk with gradients")
+        target = TensorState.HOLD if self.state is ChunkState.GATHERED else TensorState.FREE
+        for info in self.tensors:
+            if info.state is TensorState.HOLD_AFTER_BWD:
+                info.state = target
 
     @property
     def nbytes(self) -> int:

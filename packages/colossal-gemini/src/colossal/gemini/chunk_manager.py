@@ -69,12 +69,14 @@ class ChunkManager:
         self.chunk_size = size
         self.chunks: list[Chunk] = []
         self.chunk_of: dict[torch.nn.Parameter, tuple[Chunk, TensorInfo]] = {}
-        for idx in pack(numels, size):
-            chunk = Chunk(len(self.chunks), size, dtype, device.device, self.world_size)
+        for idx, frozen in _pack_apart(numels, [p.requires_grad for _, p in params], size):  # [Note: frozen chunks]
+            chunk = Chunk(len(self.chunks), size, dtype, device.device, self.world_size, frozen=frozen)
             for i in idx:
                 name, p = params[i]
                 self.chunk_of[p] = (chunk, chunk.append(p, name))
             self.chunks.append(chunk)
+        self.trainable = [c for c in self.chunks if not c.frozen]
+        """The chunks with gradients, masters and optimizer states (all but the frozen ones)."""
 
     def materialise(self, init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
         """Fill every chunk, one at a time, and leave its shards on the host tier (lazy-init safe)."""
@@ -171,13 +173,8 @@ class ChunkManager:
         for info in chunk.tensors:
             info.state = TensorState.HOLD
         lo, hi = chunk.shard_range(self.rank)
-        chunk.master = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} master")
-        chunk.master.copy_(chunk.payload[lo:hi])
-        for info, data in zip(chunk.tensors, originals):  # masters from the unrounded originals
-            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
-            if a < b and not data.is_meta:
-                chunk.master[a - lo : b - lo].copy_(data.reshape(-1)[a - info.offset : b - info.offset])
-        chunk.grad_shard = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} grad").zero_()
+        if not chunk.frozen:
+            self._materialise_optim(chunk, originals)
         chunk.shard = self.host.alloc(chunk.shard_size, self.dtype, f"chunk {chunk.id} shard")
         chunk.shard.copy_(chunk.payload[lo:hi])
         chunk.w_tier = "host"
@@ -186,6 +183,17 @@ class ChunkManager:
             from colossal.gemini.disk import home
 
             home(self, chunk)
+
+    def _materialise_optim(self, chunk: Chunk, originals: list[torch.Tensor]) -> None:
+        """The fp32 master (from the unrounded originals) and the gradient shard, on the host tier."""
+        lo, hi = chunk.shard_range(self.rank)
+        chunk.master = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} master")
+        chunk.master.copy_(chunk.payload[lo:hi])
+        for info, data in zip(chunk.tensors, originals):  # masters from the unrounded originals
+            a, b = max(info.offset, lo), min(info.offset + info.numel, hi)
+            if a < b and not data.is_meta:
+                chunk.master[a - lo : b - lo].copy_(data.reshape(-1)[a - info.offset : b - info.offset])
+        chunk.grad_shard = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} grad").zero_()
 
     def _alloc_payload(self, chunk: Chunk) -> None:
         self.device.charge(chunk.nbytes, f"chunk {chunk.id}")
@@ -403,7 +411,8 @@ class ChunkManager:
         """Whether the chunk's fp32 master can be its working payload itself (see ``[Note: aliased
         masters]``): fp32 working data, whole chunks on this rank, both on the device tier, no disk tier."""
         return (
-            self.disk is None
+            not chunk.frozen
+            and self.disk is None
             and self.dtype == torch.float32
             and not self.sharded
             and chunk.state is ChunkState.GATHERED
@@ -432,7 +441,7 @@ class ChunkManager:
     def refresh_working(self, chunk: Chunk) -> None:
         """Copy the updated fp32 master shard into the working-precision data (after a step); a master that
         is the working data (``[Note: aliased masters]``) needs no copy, and one that can become it does."""
-        if self.aliased(chunk):
+        if chunk.frozen or self.aliased(chunk):
             return
         if self.disk is not None:
             from colossal.gemini.disk import refresh_from
@@ -451,9 +460,41 @@ class ChunkManager:
         elif self.can_alias(chunk):
             self._alias(chunk)
 
+    def read_working(self, chunk: Chunk) -> torch.Tensor:
+        """A ``(shard_size,)`` fp32 CPU copy of this rank's working shard, wherever it is (device, host or
+        disk): a frozen chunk's values, which it holds nowhere else ([Note: frozen chunks])."""
+        if self.disk is not None:
+            from colossal.gemini.disk import settle
+
+            settle(self, chunk)
+            if chunk.w_tier == "disk":
+                self.disk.drain()
+                buf = torch.empty(chunk.shard_size, dtype=self.dtype)
+                self.disk.read_tensor(buf, chunk.id, "shard", "checkpoint")
+                return buf.float()
+        lo, hi = chunk.shard_range(self.rank)
+        src = chunk.shard if self.sharded or chunk.w_tier == "host" else chunk.payload[lo:hi]
+        return src.detach().to("cpu", torch.float32)
+
+    def write_working(self, chunk: Chunk, values: torch.Tensor) -> None:
+        """Set this rank's working shard of a frozen chunk to ``values`` (``(shard_size,)``), wherever it
+        is; a gathered payload of a sharded chunk is released (it is stale)."""
+        if not chunk.frozen:
+            raise ValueError(f"chunk {chunk.id} has an fp32 master: write the master and refresh_working")
+        if self.disk is not None:
+            from colossal.gemini.disk import refresh_from
+
+            refresh_from(self, chunk, values)
+            return
+        lo, hi = chunk.shard_range(self.rank)
+        target = chunk.shard if self.sharded or chunk.w_tier == "host" else chunk.payload[lo:hi]
+        target.copy_(values)
+        if self.sharded:
+            self.release(chunk)
+
     def move_optim(self, chunk: Chunk, dst: str) -> None:
         """Move the chunk's master and gradient shards to tier ``dst`` (optimizer states: the optimizer)."""
-        if chunk.o_tier == dst:
+        if chunk.o_tier == dst or chunk.frozen:
             return
         src_tier, dst_tier = self.tier(chunk.o_tier), self.tier(dst)
         chunk.master = transfer(chunk.master, src_tier, dst_tier, self.traffic, chunk.id, "placement")
@@ -463,3 +504,15 @@ class ChunkManager:
     def chunks_on(self, tier: str) -> int:
         """Number of chunks whose working shard is on ``tier``."""
         return sum(c.w_tier == tier for c in self.chunks)
+
+
+def _pack_apart(numels: list[int], grads: list[bool], size: int) -> list[tuple[list[int], bool]]:
+    """``pack`` the trainable and the frozen parameters (first-use order) apart, so no chunk mixes
+    them, each stream filling its chunks across the model (a LoRA model alternates a frozen base
+    weight with two small adapters: packed run by run, every adapter pair would take a chunk of its
+    own); the chunks as ``(indices, frozen)`` in the order of their first parameter's first use."""
+    out = []
+    for frozen in (False, True):
+        ids = [i for i, g in enumerate(grads) if g != frozen]
+        out += [([ids[j] for j in idx], frozen) for idx in pack([numels[i] for i in ids], size)]
+    return sorted(out, key=lambda c: c[0][0])

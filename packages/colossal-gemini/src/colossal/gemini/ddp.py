@@ -180,8 +180,6 @@ class GeminiDDP(nn.Module):
         params = list(dict.fromkeys(module.parameters()))
         if self.config.example_inputs is not None:
             params = first_use_order(module, params, self.config.example_inputs)
-        if any(not p.requires_grad for p in params):
-            raise NotImplementedError("frozen parameters are not supported: every parameter must require grad")
         names = {p: n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
         named = [(names[p], p) for p in params]
         self.dtype = self.config.mixed_precision or torch.float32
@@ -218,15 +216,15 @@ class GeminiDDP(nn.Module):
         self.prefetcher: Prefetcher | None = None  # set at the end of warm-up (sharded runs, prefetch > 0)
         self.stats_history: list[GeminiStats] = []
         # replicated chunks are all-reduced in this fixed order on every rank: [Note: fixed reduction order]
-        self._reduce_order = [c.id for c in reversed(self.manager.chunks)]
+        self._reduce_order = [c.id for c in reversed(self.manager.trainable)]
         self._next_reduce = 0  # position in _reduce_order of the next chunk to reduce
         self._inflight: Chunk | None = None  # the reduction in flight
         self._fast_need = 0  # bytes the resident fast path needs free next to the model data (set after warm-up)
         self._fast_non_model = 0  # the non-model part of it (the largest traced peak)
         self._reset_iteration()
         self._native = False  # see [Note: native gradients]
-        self._native_params = [(info.param, info.name) for c in self.manager.chunks for info in c.tensors]
-        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.manager.chunk_of]
+        self._native_params = [(info.param, info.name) for c in self.manager.trainable for info in c.tensors]
+        self._handles = self._grad_hooks()
         self._module_handles: list = []
         self._attach_module_hooks()
 
@@ -289,7 +287,7 @@ class GeminiDDP(nn.Module):
             self._fast_need = 0
             return
         non_model = max([self.trace.peak_non_model_bytes] + [op.non_model_bytes for op in ops])
-        buffers = sum(c.nbytes for c in m.chunks if not m.direct_grad(c))
+        buffers = sum(c.nbytes for c in m.trainable if not m.direct_grad(c))
         self._fast_non_model = non_model
         self._fast_need = max(1, non_model + buffers)
 
@@ -384,7 +382,7 @@ class GeminiDDP(nn.Module):
         m = self.manager
         if self._native:  # a further micro-batch: its gradients add to param.grad
             return True
-        return m.dp_size == 1 and all(m.aliased(c) and not c.has_grad and c.grad_buffer is None for c in m.chunks)
+        return m.dp_size == 1 and all(m.aliased(c) and not c.has_grad and c.grad_buffer is None for c in m.trainable)
 
     def _enter_native(self) -> None:
         if self._native:
@@ -392,7 +390,7 @@ class GeminiDDP(nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
-        for c in self.manager.chunks:  # autograd's gradients stand in for these accounted bytes
+        for c in self.manager.trainable:  # autograd's gradients stand in for these accounted bytes
             c.grad_shard.untyped_storage().resize_(0)
         self._native = True
 
@@ -401,7 +399,7 @@ class GeminiDDP(nn.Module):
         if not self._native:
             return
         self._native = False
-        for c in self.manager.chunks:
+        for c in self.manager.trainable:
             c.grad_shard.untyped_storage().resize_(c.grad_shard.numel() * c.grad_shard.element_size())
             got = [info for info in c.tensors if info.param.grad is not None]
             if not got:
@@ -412,7 +410,11 @@ class GeminiDDP(nn.Module):
                 c.got_grad.add(info.offset)
                 info.param.grad = None
             c.has_grad = True
-        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.manager.chunk_of]
+        self._handles = self._grad_hooks()
+
+    def _grad_hooks(self) -> list:
+        """A post-accumulate-grad hook on every parameter that has gradients (none on frozen ones)."""
+        return [p.register_post_accumulate_grad_hook(self._grad_ready) for p, _ in self._native_params]
 
     def native_grads(self) -> list[tuple[nn.Parameter, str]] | None:
         """``(parameter, name)`` of every parameter when gradients are in ``param.grad`` (``[Note: native
@@ -696,7 +698,10 @@ class GeminiDDP(nn.Module):
         if self._inflight is not None:  # finished first: its tensors' part counts are reset then
             m.finish_reduce(self._inflight)
             self._inflight = None
-        order = self._reduce_order if m.replicated else [c.id for c in m.chunks]
+        order = self._reduce_order if m.replicated else [c.id for c in m.trainable]
+        for c in m.chunks:
+            if c.frozen:  # no gradient to reduce: its tensors just leave the backward ([Note: frozen chunks])
+                c.after_frozen_backward()
         for c in (m.chunks[i] for i in order):
             if c.id in self._reduced and not any(info.grads for info in c.tensors):
                 continue  # reduced, and no part of a shared gradient came after (see [Note: shared parameters])

@@ -623,7 +623,7 @@ def memory_grads(m) -> list[torch.Tensor]:
     gradient writes have finished; a shard no backward wrote since the last step is zeroed."""
     m.disk.drain()  # the I/O threads may still be writing gradient blocks (and reading them races)
     grads = []
-    for c in m.chunks:
+    for c in m.trainable:
         if "grad" in c.on_disk:
             continue
         if not c.has_grad:  # stale contents mean zero
@@ -727,23 +727,23 @@ def plan(ddp) -> tuple[dict[str, set[int]], int | None]:
     """Which chunk parts live on disk (``homes``) and, for ``auto``, the host bytes working shards may
     hold. Static: the last fractions of the chunks; auto: see the gemini docs ("Disk tier")."""
     m, cfg = ddp.manager, ddp.config
-    n = len(m.chunks)
-    last = lambda frac: {c.id for c in m.chunks[n - round(frac * n) :]}  # noqa: E731
+    last = lambda frac, cs: {c.id for c in cs[len(cs) - round(frac * len(cs)) :]}  # noqa: E731
+    train = m.trainable  # a frozen chunk has no block on disk or anywhere ([Note: frozen chunks] in chunk.py)
     if cfg.placement == "static":
         homes = {
-            "shard": last(cfg.disk_param_frac),
-            "master": last(cfg.disk_param_frac),
-            "grad": last(cfg.disk_grad_frac),
-            "states": last(cfg.disk_optim_frac),
+            "shard": last(cfg.disk_param_frac, m.chunks),
+            "master": last(cfg.disk_param_frac, train),
+            "grad": last(cfg.disk_grad_frac, train),
+            "states": last(cfg.disk_optim_frac, train),
         }
         return homes, None
     c0 = m.chunks[0]
     avail = cfg.host_memory_budget - buffer_bytes(c0.shard_size, c0.nbytes)
     block = c0.shard_size * 16
     on_host = max(0, int(avail // 2 // block))  # blocks kept on the host: half of what the buffers leave
-    disk_blocks = {c.id for c in m.chunks[on_host:]}
+    disk_blocks = {c.id for c in train[on_host:]}
     homes = {"shard": {c.id for c in m.chunks}, "master": disk_blocks, "grad": disk_blocks, "states": disk_blocks}
-    allowance = avail - min(on_host, n) * block
+    allowance = avail - min(on_host, len(train)) * block
     if allowance < c0.shard_nbytes * (1 + m.sharded):
         need = cfg.host_memory_budget - allowance + c0.shard_nbytes * 2
         raise ValueError(

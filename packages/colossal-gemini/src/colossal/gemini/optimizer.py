@@ -124,6 +124,8 @@ class GeminiOptimizer(OptimizerWrapper):
             self._group_names.append([m.chunk_of[p][1].name for p in group["params"]])
             for p in group["params"]:
                 chunk, info = m.chunk_of[p]
+                if chunk.frozen:  # no gradient ever: no slice, no state ([Note: frozen chunks] in chunk.py)
+                    continue
                 s_lo, s_hi = chunk.shard_range(m.rank)
                 lo, hi = max(info.offset, s_lo) - s_lo, min(info.offset + info.numel, s_hi) - s_lo
                 if lo >= hi:  # no element of this parameter on this rank
@@ -181,11 +183,11 @@ class GeminiOptimizer(OptimizerWrapper):
             from colossal.gemini.disk import memory_grads
 
             return memory_grads(self.manager)
-        for c in self.manager.chunks:
+        for c in self.manager.trainable:
             if not c.has_grad:  # no backward since the last step: stale contents mean zero
                 c.grad_shard.zero_()
                 c.has_grad = True
-        return [c.grad_shard for c in self.manager.chunks]
+        return [c.grad_shard for c in self.manager.trainable]
 
     def step(self, closure=None) -> bool:
         """Unscale, skip on overflow, clip, step, refresh the working weights; returns False when skipped."""
@@ -256,7 +258,7 @@ class GeminiOptimizer(OptimizerWrapper):
         native = self.model.native_grads()
         if native is not None:  # one rank: param.grad says it
             return {name for p, name in native if p.grad is None}
-        infos = [(c, info) for c in m.chunks for info in c.tensors]
+        infos = [(c, info) for c in m.trainable for info in c.tensors]
         got = [info.offset in c.got_grad for c, info in infos]
         if m.dp_size > 1:
             flags = torch.tensor(got, dtype=torch.uint8, device=m.device.device)
@@ -356,7 +358,10 @@ class GeminiOptimizer(OptimizerWrapper):
 
     # -- optimizer blocks (used by the placement at the end of warm-up) -----------------------------------
     def block_bytes(self, chunk: Chunk) -> int:
-        """Bytes of the chunk's optimizer block: fp32 master + fp32 gradient + optimizer states."""
+        """Bytes of the chunk's optimizer block: fp32 master + fp32 gradient + optimizer states (none for
+        a frozen chunk)."""
+        if chunk.frozen:
+            return 0
         states = sum(
             t.numel() * t.element_size()
             for fake, *_ in self.slices.get(chunk.id, ())
@@ -368,6 +373,8 @@ class GeminiOptimizer(OptimizerWrapper):
     def move_block(self, chunk: Chunk, dst: str) -> None:
         """Move the chunk's optimizer block to tier ``dst`` (counted), re-pointing the optimizer's views."""
         m = self.manager
+        if chunk.frozen:  # no block
+            return
         if chunk.on_disk:  # the block stays where the disk plan put it (its disk parts are charged there)
             if not chunk.states_accounted and "states" not in chunk.on_disk:
                 m.host.charge(self.block_bytes(chunk) - chunk.master.numel() * 8)

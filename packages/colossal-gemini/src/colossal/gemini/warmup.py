@@ -62,9 +62,10 @@ def finish_warmup(ddp, optimizer) -> None:
     """Choose the policy and the optimizer-block tiers from the trace; move blocks; compute the optimum."""
     m, cfg = ddp.manager, ddp.config
     blocks = {c.id: optimizer.block_bytes(c) for c in m.chunks}
-    n = len(m.chunks)
+    train = m.trainable  # frozen chunks have no optimizer block ([Note: frozen chunks] in chunk.py)
     if cfg.placement == "static":
-        o_device = {c.id for c in m.chunks[: n - round(cfg.offload_optim_frac * n)] if not c.on_disk}
+        n = len(train)
+        o_device = {c.id for c in train[: n - round(cfg.offload_optim_frac * n)] if not c.on_disk}
         policy = StaticPolicy(m, ddp._reserve, cfg.offload_param_frac)
         _static_check(ddp, policy, sum(blocks[c] for c in o_device))
     else:

@@ -4,7 +4,8 @@
 ``GeminiOptimizer``) without importing it, and replays them on a :class:`~colossal.planner.trace.ModelTrace`:
 
 1. **Chunks** (``chunk_manager.py``): parameters packed in registration order into chunks of one size,
-   searched to minimise padding when not given, rounded up to a multiple of the ranks a chunk is split over.
+   searched to minimise padding when not given, rounded up to a multiple of the ranks a chunk is split over;
+   frozen parameters apart from trainable ones ([Note: frozen parameters]).
 2. **Operators** (``ddp.py`` [Note: operators]): one per module owning parameters, forward and backward,
    with the non-model bytes the warm-up measures between one operator's start and the next one's. The
    trace is per dispatched op; [Note: operators from a trace] says how they are grouped into modules.
@@ -27,12 +28,33 @@ forward whose FLOPs match a parameter of an embedding is an output head tied to 
 the trace lists a tied parameter once, so this is the only sign of that module. Ops between two starts
 belong to the earlier operator, as in the engine, where a record stays open until the next hook fires.
 
+[Note: frozen parameters]
+Parameters that do not require grad (a frozen base under LoRA) are packed apart from the trainable ones
+(``chunk_manager._pack_apart``: two ``pack`` streams, chunks sorted by their first parameter). A frozen
+chunk is working data only (``chunk.py`` [Note: frozen chunks]): no fp32 master, gradient shard, gradient
+buffer or optimizer states (block 0 bytes, never placed, never aliased, never reduced), so the host holds
+its working shard alone. Static ``offload_optim_frac`` and the disk plan's master, gradient and states
+homes count the trainable chunks only (static: their last fractions; auto: ``trainable[on_host:]``); the
+working homes (``offload_param_frac``, the shard homes) count every chunk.
+
+[Note: frozen modules in backward]
+A frozen module runs a backward operator when its output needs a gradient, i.e. when its input does (the
+trace has no gradient to show it). Autograd runs the backward in reverse creation order, so a frozen
+module with a matmul takes the first matmul of its shape after the backward of every later module and
+before that of the earlier trainable ones (none there: its input needs no gradient); one without (a
+norm) runs right after the later modules' backward when its parameters are per-channel vectors and an
+earlier module has a backward (a table such as a position embedding reads indices: none). From its first
+backward operator to its last, a frozen chunk is in use (its tensors stay HOLD_AFTER_BWD while autograd
+holds views of it for a later operator): it is neither released nor evicted between them, and warm-up
+records it among the operators' held chunks (``OpRecord.held_chunk_ids``).
+
 [Note: what is approximated]
 * Non-model bytes are the trace's (the meta-device step), not the warm-up's measurement: on the
   validation GPTs they agree to 0.3 % at the peak; some attention-backward operators read up to one
   ``B * T * C`` activation higher in the trace.
-* Operator boundaries come from [Note: operators from a trace]; held chunks (``OpRecord.held_chunk_ids``:
-  a tensor waiting for its gradient whose saved views outlive its operator) are not modelled, nor is
+* Operator boundaries come from [Note: operators from a trace] and [Note: frozen modules in backward];
+  held chunks (``OpRecord.held_chunk_ids``: a tensor waiting for its gradient whose saved views outlive
+  its operator) are modelled for frozen chunks only (a tied embedding's is not), nor is
   ``Chunk.in_use`` beyond the current operator's chunks.
 * Iterations that depart from the trace (skipped modules, extra micro-batches) are not replayed.
 * Disk tier: the host's working-shard cache is capped at the auto allowance (the second-level Belady
@@ -83,6 +105,18 @@ class ChunkPlan:
     """Parameter indices per chunk, packed in order (``colossal.comm.pack``)."""
     numels: tuple[int, ...]
     """Elements per parameter, in registration order."""
+    frozen: tuple[bool, ...] = ()
+    """Per chunk: whether it holds frozen parameters only (working data alone, see [Note: frozen
+    parameters]); empty means none is."""
+
+    def is_frozen(self, c: int) -> bool:
+        """Whether chunk ``c`` is frozen (``Chunk.frozen``)."""
+        return bool(self.frozen) and self.frozen[c]
+
+    @property
+    def trainable(self) -> list[int]:
+        """The chunks with gradients, fp32 masters and optimizer states (``ChunkManager.trainable``)."""
+        return [c for c in range(len(self.chunks)) if not self.is_frozen(c)]
 
     @property
     def shard(self) -> int:
@@ -111,23 +145,35 @@ class ChunkPlan:
     def block_bytes(self, c: int, rank: int, states: int) -> int:
         """``GeminiOptimizer.block_bytes``: the fp32 master and gradient of the whole shard, and
         ``states`` fp32 tensors over the shard's parameter elements (the optimizer steps slices of
-        real tensors only, so padding has no state; scalar states are not counted)."""
+        real tensors only, so padding has no state; scalar states are not counted); 0 for a frozen chunk."""
+        if self.is_frozen(c):
+            return 0
         return 8 * self.shard + 4 * states * self.slice_elems(c, rank)
 
 
 def plan_chunks(trace: ModelTrace, layout: Layout) -> ChunkPlan:
-    """The chunks of ``trace``'s parameters under ``layout`` (``ChunkManager.__init__``)."""
-    frozen = [p.name for p in trace.params if not p.requires_grad]
-    if frozen:  # GeminiDDP refuses them too (ChunkManager: "frozen parameters are not supported")
-        shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
-        raise NotImplementedError(f"Gemini trains only models whose parameters all require grad; frozen: {shown}")
+    """The chunks of ``trace``'s parameters under ``layout`` (``ChunkManager.__init__``): the chunk size is
+    searched over every parameter, then the trainable and the frozen ones are packed apart
+    (``chunk_manager._pack_apart``, see [Note: frozen parameters])."""
     world = 1 if layout.keep_gathered else layout.dp
     numels = tuple(p.numel for p in trace.params)
     size = layout.chunk_size or search_chunk_size(numels, align=world)
     size = -(-size // world) * world  # divisible by the ranks a chunk is split over
     itemsize = layout.precision.itemsize
-    chunks = tuple(tuple(idx) for idx in pack(numels, size))
-    return ChunkPlan(size=size, world=world, itemsize=itemsize, chunks=chunks, numels=numels)
+    packed = _pack_apart(numels, [p.requires_grad for p in trace.params], size)
+    chunks = tuple(tuple(idx) for idx, _ in packed)
+    frozen = tuple(f for _, f in packed)
+    return ChunkPlan(size=size, world=world, itemsize=itemsize, chunks=chunks, numels=numels, frozen=frozen)
+
+
+def _pack_apart(numels: Sequence[int], grads: Sequence[bool], size: int) -> list[tuple[list[int], bool]]:
+    """``chunk_manager._pack_apart``: the trainable and the frozen parameters packed apart (``pack`` over
+    each stream, in order), the chunks as ``(indices, frozen)`` sorted by their first parameter."""
+    out = []
+    for frozen in (False, True):
+        ids = [i for i, g in enumerate(grads) if g != frozen]
+        out += [([ids[j] for j in idx], frozen) for idx in pack([numels[i] for i in ids], size)]
+    return sorted(out, key=lambda c: c[0][0])
 
 
 # -- operators (see [Note: operators from a trace]) --------------------------------------------------------
@@ -141,6 +187,7 @@ class _Op:
     non_model: int = 0
     pinned: int = 0  # gradient-buffer bytes pinned during it in warm-up (OpRecord.pinned_bytes)
     recompute: tuple[int, ...] = ()  # chunks recomputed forwards gather inside it (activation checkpointing)
+    held: tuple[int, ...] = ()  # frozen chunks in use next to its own ([Note: frozen modules in backward])
     grads: list[int] = dataclasses.field(default_factory=list)  # chunk of each gradient arriving in it
 
     @property
@@ -157,20 +204,28 @@ class _Module:
     unit: int
     fwd: int = -1  # dispatched op its forward starts at
     matched: bool = False  # its forward matmul was found
-    bwd_end: int = -1  # dispatched op of its last gradient
+    bwd_end: int = -1  # dispatched op of its last gradient (-1: frozen, no gradient)
+    vector: bool = False  # every parameter a per-channel vector (a norm's), not a table or a matrix
+
+    @property
+    def frozen(self) -> bool:
+        """Whether no parameter of it gets a gradient (see [Note: frozen parameters])."""
+        return self.bwd_end < 0
 
 
 def _modules(trace: ModelTrace) -> list[_Module]:
     by_name: dict[str, _Module] = {}
     for i, p in enumerate(trace.params):
-        if trace.grad_op[i] < 0:
+        if trace.grad_op[i] < 0 and p.requires_grad:
             continue  # an unused module runs no operator (its chunk is reduced at the end of backward)
         name = p.name.rsplit(".", 1)[0] if "." in p.name else "<root>"
         mod = by_name.setdefault(name, _Module(name, [], 0, p.unit))
         mod.params.append(i)
+    largest = max((p.numel for p in trace.params), default=0)
     for mod in by_name.values():
         mod.sig = 2 * trace.tokens * max(trace.params[i].numel for i in mod.params)
         mod.bwd_end = max(trace.grad_op[i] for i in mod.params)
+        mod.vector = all(trace.params[i].numel ** 2 <= largest for i in mod.params)
     return list(by_name.values())
 
 
@@ -200,8 +255,9 @@ def _forward_starts(trace: ModelTrace, mods: list[_Module]) -> list[_Module]:
         tied = next((m for m in plain if trace.flops[j] and m.sig == trace.flops[j]), None)
         if tied is not None:
             head = _Module(f"{tied.name}(tied head)", list(tied.params), tied.sig, 0, j, True)
-            first_grad = min((m.bwd_end for m in mods), default=trace.ops)
+            first_grad = min((m.bwd_end for m in mods if not m.frozen), default=trace.ops)
             last = [jj for jj in range(trace.backward_start, first_grad) if trace.flops[jj] == head.sig]
+            last = last[:2]  # its input's gradient and its weight's: later ones are other modules' (frozen ones)
             head.bwd_end = last[-1] if last else trace.backward_start
             heads.append(head)
             p = j + 1
@@ -209,14 +265,53 @@ def _forward_starts(trace: ModelTrace, mods: list[_Module]) -> list[_Module]:
 
 
 def _backward_starts(trace: ModelTrace, mods: list[_Module]) -> list[tuple[_Module, int]]:
-    order = sorted(mods, key=lambda m: (m.bwd_end, m.fwd))
+    """Each module's backward start, in backward order; a frozen module without one is left out."""
+    order = sorted((m for m in mods if not m.frozen), key=lambda m: (m.bwd_end, m.fwd))
     out, prev = [], trace.backward_start - 1
     for mod in order:
         j = _find(trace.flops, mod.sig, prev + 1, mod.bwd_end + 1) if mod.matched else -1
         if j < 0:  # no matmul (a norm, an embedding): its backward is the op that makes its first gradient
             j = min([trace.grad_op[i] for i in mod.params if trace.grad_op[i] > prev] + [mod.bwd_end])
         out.append((mod, max(j, prev + 1) if out else j))
-        prev = max(prev, mod.bwd_end)
+        prev = max(prev, _backward_end(trace, mod))
+    out += _frozen_backward_starts(trace, mods, out)
+    return sorted(out, key=lambda ms: (ms[1], -ms[0].fwd))
+
+
+def _backward_end(trace: ModelTrace, mod: _Module) -> int:
+    """The last op of a trainable module's backward: its last gradient, or the matmul for its input's
+    gradient when that comes right after its weight's (a Linear without bias: ``mm`` for the weight, two
+    transposes, ``mm`` for the input), which a module of the same shape must not take for its own."""
+    e = mod.bwd_end
+    if not mod.matched or trace.flops[e] != mod.sig:
+        return e
+    for j in range(e + 1, min(e + 5, trace.ops)):
+        if trace.flops[j]:
+            return j if trace.flops[j] == mod.sig else e
+    return e
+
+
+def _frozen_backward_starts(
+    trace: ModelTrace, mods: list[_Module], trained: list[tuple[_Module, int]]
+) -> list[tuple[_Module, int]]:
+    """[Note: frozen modules in backward]: the backward starts of the frozen modules that have one."""
+    ends = [(m.fwd, _backward_end(trace, m)) for m, _ in trained]  # a later-forward module's backward is done
+    starts = [(m.fwd, s) for m, s in trained]
+    out: list[tuple[_Module, int]] = []
+    frozen = sorted((m for m in mods if m.frozen), key=lambda m: -m.fwd)
+    for mod in (m for m in frozen if m.matched):  # reverse forward order: the backward's order
+        lo = max([e for f, e in ends if f > mod.fwd] + [trace.backward_start - 1])
+        hi = min([s for f, s in starts if f < mod.fwd] + [trace.ops])
+        j = _find(trace.flops, mod.sig, lo + 1, hi)
+        if j >= 0:  # its input needs a gradient: the matmul that makes it
+            out.append((mod, j))
+            ends.append((mod.fwd, j))
+    for mod in reversed([m for m in frozen if not m.matched]):  # forward order: upstream ones decided first
+        upstream = any(f < mod.fwd for f, _ in ends)
+        if mod.vector and upstream:
+            lo = max([e for f, e in ends if f > mod.fwd] + [trace.backward_start - 1])
+            out.append((mod, min(lo + 1, trace.ops - 1)))
+            ends.append((mod.fwd, lo + 1))
     return out
 
 
@@ -245,7 +340,23 @@ def _operators(trace: ModelTrace, plan: ChunkPlan) -> list[_Op]:
         ops[k].grads = [chunk_of[i] for _, i in sorted(got, reverse=True)]
     if trace.activation_checkpointing:
         _recomputes(trace, ops, mods, chunk_of)
+    _frozen_holds(ops, plan)
     return ops
+
+
+def _frozen_holds(ops: list[_Op], plan: ChunkPlan) -> None:
+    """``OpRecord.held_chunk_ids`` of frozen chunks: from its first backward operator to its last, a frozen
+    chunk is in use (``Chunk.in_use``: a tensor of it left its backward in HOLD_AFTER_BWD, where no gradient
+    moves it on, while autograd still holds views of the chunk that a later backward operator reads)."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for c in op.chunk_ids if op.backward else ():
+            if plan.is_frozen(c):
+                first.setdefault(c, i)
+                last[c] = i
+    for i, op in enumerate(ops):
+        op.held = tuple(c for c in sorted(first) if first[c] < i < last[c] and c not in op.chunk_ids)
 
 
 def _recomputes(trace: ModelTrace, ops: list[_Op], mods: list[_Module], chunk_of: dict[int, int]) -> None:
@@ -279,6 +390,7 @@ class _Rank:
         self.unit = plan.shard_bytes if self.sharded else plan.chunk_bytes  # resident working bytes per chunk
         self.tensors = [len(idx) for idx in plan.chunks]
         self.blocks = [plan.block_bytes(c, rank, self.states) for c in range(n)]
+        self.trainable = plan.trainable  # chunks with a master, a gradient and states (ChunkManager.trainable)
         self.peak_nm = max((op.non_model for op in ops), default=0)
         self.gathered = [False] * n
         self.shard_dev = [False] * n  # sharded: the working shard is on the device tier
@@ -298,6 +410,7 @@ class _Rank:
         self.new_grad = 0
         self.protected: frozenset[int] = frozenset()
         self.window: frozenset[int] = frozenset()
+        self.held: frozenset[int] = frozenset()  # frozen chunks in use between backward operators (_Op.held)
         self.last_use: dict[int, int] = {}
         self.peak = 0
         self.need = 0  # largest device bytes asked for beyond the budget (0: every step fitted)
@@ -310,10 +423,10 @@ class _Rank:
     # accounting ----------------------------------------------------------------------------------------
     def place(self, o_dev: set[int]) -> None:
         """Put the optimizer blocks of ``o_dev`` on the device, the others on the host (``finish_warmup``)."""
-        self.o_dev = set(o_dev)
+        self.o_dev = {c for c in o_dev if not self.plan.is_frozen(c)}  # a frozen chunk has no block to move
         self.o_bytes = sum(self.blocks[c] for c in self.o_dev)
         total = 0
-        for c in range(self.n):
+        for c in self.trainable:
             if c not in self.o_dev:  # master and gradient shards, states; parts on disk excluded
                 d = self.on_disk[c]
                 total += 4 * self.plan.shard * (("master" not in d) + ("grad" not in d))
@@ -419,7 +532,11 @@ class _Rank:
 
     def victim(self, protect: set[int], i: int) -> int | None:
         """Auto: the chunk used furthest ahead (Belady); static: the least recently used host-homed one."""
-        cands = [c for c in range(self.n) if self.resident(c) and c not in protect and c not in self.protected]
+        cands = [
+            c
+            for c in range(self.n)
+            if self.resident(c) and c not in protect and c not in self.protected and c not in self.held
+        ]
         if self.layout.placement == "static":
             cands = [c for c in cands if c in self.host_homed]
             return min(cands, key=lambda c: self.last_use.get(c, -1), default=None)
@@ -437,7 +554,7 @@ class _Rank:
     def after_op(self, used: Sequence[int], coming: frozenset[int] | set[int]) -> None:
         """``PlacementPolicy.after_op`` (+ ``StaticPolicy``: host-homed chunks go back after their use)."""
         for c in used:
-            if c not in coming:
+            if c not in coming and c not in self.held:  # a held chunk is in use (Chunk.in_use)
                 self.release(c)
                 if c in self.host_homed:
                     self.evict(c)
@@ -449,7 +566,7 @@ def _warmup_pinned(r: _Rank) -> None:
     got = [0] * r.n
     live: set[int] = set()
     inflight: list[int] = []
-    order = list(range(r.n - 1, -1, -1))  # replicated chunks reduce in descending id ([Note: fixed reduction order])
+    order = r.trainable[::-1]  # replicated chunks reduce in descending id ([Note: fixed reduction order])
     ready: set[int] = set()
     nxt = 0
     cur = 0
@@ -482,16 +599,17 @@ def _warmup_pinned(r: _Rank) -> None:
 
 def _payload(r: _Rank, op: _Op) -> int:
     """``warmup._payload``: gathered payloads a sharded operator holds (its own chunks and recomputed ones)."""
-    return len(set(op.chunk_ids) | set(op.recompute)) * r.plan.chunk_bytes if r.sharded else 0
+    return len(set(op.chunk_ids) | set(op.recompute) | set(op.held)) * r.plan.chunk_bytes if r.sharded else 0
 
 
 def _place_blocks(r: _Rank) -> int:
     """``warmup.finish_warmup``: the optimizer blocks on the device; returns the static check's need (0 when
     it passes, or under the auto policy)."""
     n, lay = r.n, r.layout
-    if lay.placement == "static":
+    if lay.placement == "static":  # the working homes over every chunk, the blocks over the trainable ones
         r.host_homed = set(range(n - round(lay.offload_param_frac * n), n))
-        r.place({c for c in range(n - round(lay.offload_optim_frac * n)) if not r.on_disk[c]})
+        train, k = r.trainable, len(r.trainable)
+        r.place({c for c in train[: k - round(lay.offload_optim_frac * k)] if not r.on_disk[c]})
         return _static_need(r)
     peak = max((op.non_model + op.pinned + _payload(r, op) for op in r.ops), default=0)
     margin = r.budget - peak - r.unit * n  # [Note: optimizer blocks in the auto policy]
@@ -510,7 +628,7 @@ def _static_need(r: _Rank) -> int:
     o_bytes = r.o_bytes
     need = 0
     for op in r.ops:
-        ids = set(op.chunk_ids) | set(op.recompute)
+        ids = set(op.chunk_ids) | set(op.recompute) | set(op.held)
         visiting = r.unit * len(ids & r.host_homed)
         need = max(need, op.non_model + op.pinned + o_bytes + homed + visiting + _payload(r, op))
     return need
@@ -527,7 +645,7 @@ def _prefetch_plan(r: _Rank, depth: int) -> tuple[list[list[int]], list[frozense
 
     def fits(j: int, ids: list[int]) -> bool:
         op = r.ops[j]
-        ids = list(dict.fromkeys([*ids, *op.recompute]))
+        ids = list(dict.fromkeys([*ids, *op.recompute, *op.held]))
         held = len(ids) * (p.chunk_bytes + p.shard_bytes)
         grad = p.chunk_bytes if op.backward else 0
         fixed = r.unit * sum(1 for c in range(r.n) if c not in r.host_homed and c not in ids)
@@ -548,9 +666,9 @@ class _Step:
         self.ahead, self.windows = ([], [])
         if r.sharded and prefetch > 0:
             self.ahead, self.windows = _prefetch_plan(r, prefetch)
-        self.direct = {c for c in range(r.n) if r.dp == 1 and c in r.o_dev}  # ChunkManager.direct_grad
+        self.direct = {c for c in r.trainable if r.dp == 1 and c in r.o_dev}  # ChunkManager.direct_grad
         static_homes = r.layout.placement == "static" and r.host_homed
-        buffers = sum(r.plan.chunk_bytes for c in range(r.n) if c not in self.direct)
+        buffers = sum(r.plan.chunk_bytes for c in r.trainable if c not in self.direct)
         self.fast_need = 0 if static_homes else max(1, r.peak_nm + buffers)  # GeminiDDP.plan_fast_path
         self.fast = False  # the last iteration ran on the resident fast path
         self._new_pass()
@@ -576,7 +694,7 @@ class _Step:
         self.fast = self.resident()
         if self.fast:  # [Note: resident fast path]: one sample at the forward, one per new gradient buffer
             r.peak = r.used + r.peak_nm
-            if not (r.dp == 1 and all(r.aliased)):  # [Note: native gradients]: no hook, no buffer, no sample
+            if not (r.dp == 1 and all(r.aliased[c] for c in r.trainable)):  # [Note: native gradients]
                 for op in r.ops:
                     for c in op.grads:
                         self._take_grad(c, -1, set())
@@ -593,6 +711,7 @@ class _Step:
         for i, op in enumerate(r.ops):
             keep = self.windows[i] if self.windows else frozenset(op.chunk_ids)
             r.protected = keep
+            r.held = frozenset(op.held)
             r.after_op(current, keep)
             if self.windows:
                 for c in r.window - keep:
@@ -646,8 +765,9 @@ class _Step:
         r = self.r
         if r.dp > 1 and not r.sharded:  # replicated: descending chunk id ([Note: fixed reduction order])
             self.ready.add(c)
-            while self.nxt < r.n and r.n - 1 - self.nxt in self.ready:
-                self._launch(r.n - 1 - self.nxt)
+            order = r.trainable[::-1]
+            while self.nxt < len(order) and order[self.nxt] in self.ready:
+                self._launch(order[self.nxt])
                 self.nxt += 1
             return
         self._launch(c)
@@ -676,6 +796,7 @@ class _Step:
         r = self.r
         for c in range(r.n):  # _reduce_rest: chunks with unused parameters are reduced now too
             self._finish(c)
+        r.held = frozenset()  # Chunk.after_frozen_backward: frozen tensors leave HOLD_AFTER_BWD
         if not self.fast:  # the fast path has no module hooks, so no after_op either
             r.after_op(range(r.n), set())
         r.window = frozenset()
@@ -687,7 +808,7 @@ class _Step:
         own master ([Note: aliased masters])."""
         r = self.r
         fp32 = r.plan.itemsize == 4 and r.layout.precision == torch.float32
-        for c in range(r.n):
+        for c in r.trainable:  # a frozen chunk has no master (ChunkManager.can_alias)
             if fp32 and not r.sharded and not r.layout.disk and r.gathered[c] and c in r.o_dev:
                 r.aliased[c] = True
 
@@ -707,14 +828,16 @@ def _io_pool_bytes(r: _Rank, homes: dict[str, set[int]]) -> int:
     """Host bytes of the disk tier's I/O buffers once the pool has grown to what a step uses at once
     (``disk._Buffers``: one pool per buffer size, charged when a buffer is made, never given back).
 
-    The streaming step holds three blocks (read ahead, stepped, written back), each one buffer per
+    The streaming step holds three consecutive streamed blocks (read ahead, stepped, written back; fewer
+    when fewer chunks stream, as with frozen chunks, which stream nothing), each one buffer per
     disk-resident part (master, gradient, each state); reads and writes of working shards go through
     staging buffers (two, ``disk.buffer_bytes``), as do the setup's writes. Direct I/O is assumed (tensors
     torch allocates are not 4 KiB aligned, so every tensor write stages); the pool's real size depends on
     how the I/O threads overlap and may stay a buffer or two below this bound."""
     p = r.plan
-    parts = max((len(r.on_disk[c] - {"states"}) + r.states * ("states" in r.on_disk[c]) for c in range(r.n)), default=0)
-    fp32 = 3 * parts
+    parts = [len(r.on_disk[c] - {"states"}) + r.states * ("states" in r.on_disk[c]) for c in range(r.n)]
+    parts = [k for k in parts if k]  # the streamed blocks, in chunk order (disk.stream_step)
+    fp32 = max((sum(parts[j : j + 3]) for j in range(len(parts))), default=0)
     staging = 2 if homes["shard"] or any(homes["master"]) else 0
     if p.shard_bytes == p.shard * 4:  # fp32 working shards share the pool of the fp32 blocks
         return max(fp32, staging) * (_round(p.shard * 4) + DISK_ALIGN)
@@ -724,13 +847,14 @@ def _io_pool_bytes(r: _Rank, homes: dict[str, set[int]]) -> int:
 def _disk_plan(r: _Rank) -> tuple[dict[str, set[int]], int | None]:
     """``disk.plan``: which chunk parts live on disk and, for ``auto``, the host bytes working shards may hold."""
     lay, n, p = r.layout, r.n, r.plan
-    last = lambda frac: set(range(n - round(frac * n), n))  # noqa: E731
+    last = lambda frac, cs: set(cs[len(cs) - round(frac * len(cs)) :])  # noqa: E731
+    train = r.trainable  # a frozen chunk has no master, gradient or states to home
     if lay.placement == "static":
         homes = {
-            "shard": last(lay.disk_param_frac),
-            "master": last(lay.disk_param_frac),
-            "grad": last(lay.disk_grad_frac),
-            "states": last(lay.disk_optim_frac),
+            "shard": last(lay.disk_param_frac, list(range(n))),
+            "master": last(lay.disk_param_frac, train),
+            "grad": last(lay.disk_grad_frac, train),
+            "states": last(lay.disk_optim_frac, train),
         }
         return homes, None
     if lay.host_budget is None:
@@ -738,9 +862,9 @@ def _disk_plan(r: _Rank) -> tuple[dict[str, set[int]], int | None]:
     avail = lay.host_budget - _io_buffer_bytes(p)
     block = p.shard * _AUTO_BLOCK_BYTES_PER_ELEM
     on_host = max(0, int(avail // 2 // block))
-    disk_blocks = set(range(on_host, n))
+    disk_blocks = set(train[on_host:])
     homes = {"shard": set(range(n)), "master": disk_blocks, "grad": disk_blocks, "states": disk_blocks}
-    return homes, avail - min(on_host, n) * block
+    return homes, avail - min(on_host, len(train)) * block
 
 
 def _disk_file_bytes(r: _Rank, homes: dict[str, set[int]]) -> int:
@@ -763,7 +887,7 @@ def _host_setup_peak(r: _Rank) -> int:
     and the shard too when it is disk-homed or past the auto allowance."""
     p, host, peak, working = r.plan, 0, 0, 0
     for c in range(r.n):
-        add = 8 * p.shard + p.shard_bytes
+        add = 8 * p.shard * (not p.is_frozen(c)) + p.shard_bytes  # a frozen chunk: its working shard only
         peak = max(peak, host + add)
         d = r.on_disk[c]
         host += add - 4 * p.shard * (("master" in d) + ("grad" in d))
@@ -817,7 +941,10 @@ def gemini_operator_needs(trace: ModelTrace, layout: Layout) -> list[tuple[str, 
     ``"fwd:<embedding>(tied head)"`` (see [Note: operators from a trace])."""
     r, _, _ = _setup(trace, layout, 1 << 62, 0)
     fetch = r.plan.chunk_bytes + (r.plan.shard_bytes if r.sharded else 0)
-    return [(op.label, len(set(op.chunk_ids) | set(op.recompute)) * fetch + op.pinned + op.non_model) for op in r.ops]
+    return [
+        (op.label, len(set(op.chunk_ids) | set(op.recompute) | set(op.held)) * fetch + op.pinned + op.non_model)
+        for op in r.ops
+    ]
 
 
 def gemini_min_device_bytes(trace: ModelTrace, layout: Layout) -> int:
@@ -879,8 +1006,10 @@ def gemini_memory(
     ``device_type == "cuda"``, pageable on the CPU) is the accounted ``HostTier.peak_bytes`` since
     construction (``GeminiStats.host_peak_bytes``); ``disk`` is the size of the rank's scratch file.
 
-    The breakdown (bytes unless said otherwise): ``chunk_size`` (elements), ``n_chunks``, ``chunk_bytes``
-    (one chunk in working precision), ``chunks`` (all chunks' working shards of this rank),
+    The breakdown (bytes unless said otherwise): ``chunk_size`` (elements), ``n_chunks``,
+    ``n_trainable_chunks`` (those with gradients: all but the frozen ones), ``chunk_bytes`` (one chunk in
+    working precision), ``chunks`` (all chunks' working shards of this rank), ``trainable_chunks`` (the
+    trainable chunks' working shards),
     ``optimizer_blocks`` (all fp32 master + gradient + state blocks of this rank), ``optimizer_blocks_device``
     (those the placement puts on the device), ``non_model_peak`` (the largest traced operator),
     ``padding`` (elements), ``budget``, ``min_device`` (:func:`gemini_min_device_bytes`), ``fits`` (1 or 0),
@@ -905,8 +1034,10 @@ def gemini_memory(
     breakdown = {
         "chunk_size": p.size,
         "n_chunks": r.n,
+        "n_trainable_chunks": len(r.trainable),
         "chunk_bytes": p.chunk_bytes,
         "chunks": r.n * p.shard_bytes,
+        "trainable_chunks": len(r.trainable) * p.shard_bytes,
         "optimizer_blocks": sum(r.blocks),
         "optimizer_blocks_device": sum(r.blocks[c] for c in r.o_dev),
         "non_model_peak": r.peak_nm,

@@ -302,14 +302,14 @@ def predict_memory(
     # Gemini's device figure is its accounting (GeminiStats); on a CPU-only machine device and host
     # share one allocator, and the input batch sits outside the account
     breakdown["combined"] = tiers.device + tiers.host_total + trace.input_bytes
-    breakdown["optimizer_tensors"] = breakdown["n_chunks"]
+    breakdown["optimizer_tensors"] = breakdown["n_trainable_chunks"]  # a frozen chunk is never stepped
     # traffic of the optimizer blocks (the speed model's): a block on the host gets its gradient
     # shard and sends back the updated working shard every step; a block on the disk streams in and
     # out once per step (disk.stream_step)
     blocks = breakdown["optimizer_blocks"]
     host_frac = 1.0 - breakdown["optimizer_blocks_device"] / blocks if blocks else 0.0
     breakdown["optimizer_host_permille"] = round(1000 * host_frac)
-    breakdown["bytes_moved_per_step"] += round(host_frac * 2 * breakdown["chunks"])
+    breakdown["bytes_moved_per_step"] += round(host_frac * 2 * breakdown["trainable_chunks"])
     if layout.disk:
         breakdown["disk_read_per_step"] += tiers.disk
         breakdown["disk_written_per_step"] += tiers.disk

@@ -250,7 +250,7 @@ def plan(
         trace = trace_for(lay.precision, batch // lay.dp)
         try:
             mem = predict_memory(trace, lay, device_type=hardware.device_type, device_memory=hardware.device_memory)
-        except NotImplementedError as exc:  # the engine refuses this model (Gemini and frozen parameters)
+        except NotImplementedError as exc:  # the engine refuses this layout (e.g. Gemini's disk tier kept gathered)
             none = MemoryPrediction(TierBytes(device=0), {})
             none_t = StepTime(0.0, 0.0, 0.0, 0.0)
             out.append(Candidate(lay, none, False, (str(exc),), {}, none_t, 0.0, 0.0, runnable=False))

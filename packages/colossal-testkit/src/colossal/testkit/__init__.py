@@ -21,6 +21,7 @@ from colossal.testkit.checkpoint import (
     guarantee_model,
 )
 from colossal.testkit.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, randomize_biases_
+from colossal.testkit.lora import LowRankAdapted, add_adapters
 from colossal.testkit.parity import (
     TOL,
     assert_close,
@@ -38,6 +39,8 @@ __all__ = [
     "CausalSelfAttention",
     "MLP",
     "randomize_biases_",
+    "LowRankAdapted",
+    "add_adapters",
     "TOL",
     "rel_err",
     "assert_close",

@@ -20,6 +20,14 @@ layer-wise optimizers use; the flat states are split into them): those parameter
 gradient, so they and their states (including their own ``step``) stay as they were, exactly as
 with ``torch.optim``. The decision is the same on every rank, so LAMB/LARS norm vectors still line
 up (every rank leaves out the same parameters).
+
+[Note: frozen parameters]
+A parameter with ``requires_grad=False`` (a frozen base under LoRA) never gets a gradient, even
+when the optimizer lists it (``AdamW(model.parameters())``, as PEFT users write it), so it gets no
+fp32 master and no optimizer state: stages 1/2 leave it out of the buckets (it stays whole on every
+rank, as under DDP, and is not all-gathered after each step); stage 3 shards it in its unit's flat
+without a master (gathered for compute, freed after, like a parameter outside the optimizer). The
+optimizer's state dict still lists it in its group, with no state, as ``torch.optim`` does.
 """
 
 from __future__ import annotations
@@ -139,8 +147,8 @@ class ZeroOptimizer(OptimizerWrapper):
         units = []
         for ui, (mod, params) in enumerate(zip(modules, assign_params(self.module, modules), strict=True)):
             by_group: dict[int | None, list[nn.Parameter]] = {}
-            for p in params:
-                by_group.setdefault(group_of.get(p), []).append(p)
+            for p in params:  # a frozen parameter is sharded without a master ([Note: frozen parameters])
+                by_group.setdefault(group_of.get(p) if p.requires_grad else None, []).append(p)
             flats = [
                 FlatParam(ps, [self._names[p] for p in ps], gi, self.world, self.rank) for gi, ps in by_group.items()
             ]

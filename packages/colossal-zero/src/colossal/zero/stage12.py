@@ -19,12 +19,15 @@ def build_buckets(
     """Split each optimizer param group into flat buckets of at most ``bucket_numel`` elements.
 
     Parameters are taken in reverse registration order, the usual order in which backward
-    produces their gradients, so the first bucket completes (and communicates) first.
+    produces their gradients, so the first bucket completes (and communicates) first. Frozen
+    parameters (``requires_grad=False``) are left out even when the optimizer lists them.
     """
     flats: list[FlatParam] = []
     for gi, group in enumerate(optimizer.param_groups):
         bucket: list[nn.Parameter] = []
         for p in reversed(list(group["params"])):
+            if not p.requires_grad:  # no master, no gather: kept whole, like a buffer ([Note: frozen parameters])
+                continue
             if bucket and sum(q.numel() for q in bucket) + p.numel() > bucket_numel:
                 flats.append(FlatParam(bucket, [names[q] for q in bucket], gi, world, rank))
                 bucket = []

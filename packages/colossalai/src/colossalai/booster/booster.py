@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from colossalai.booster import lora
 from colossalai.booster.ddp_plugin import TorchDDPPlugin
 from colossalai.booster.plugin import Plugin, world_rank
 from colossalai.booster.precision import Precision, parse_precision
@@ -378,3 +379,47 @@ class Booster:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return pathlib.Path(folder)
+
+    # ---- LoRA adapters (peft; [Note: an adapter folder as a partial checkpoint] in booster/lora.py) ----
+    def enable_lora(self, model: nn.Module, lora_config=None) -> nn.Module:
+        """Give ``model`` a LoRA adapter before :meth:`boost`: ``peft.get_peft_model(model,
+        lora_config)`` (``lora_config`` a ``peft.LoraConfig``), or ``model`` itself when it already is
+        a ``peft.PeftModel`` (then ``lora_config`` is None). Build the optimizer over the returned
+        model's parameters that require grad (the adapter), then boost as usual.
+
+        Checked here, alike on every rank and before any collective: ``TypeError`` for a config that
+        is not a ``peft.LoraConfig``; ``ValueError`` naming the values for ``target_modules`` that
+        match no module, a rank ``r`` above ``min(in_features, out_features)`` of a targeted layer,
+        and (a given PeftModel) base parameters that still require grad. Needs the ``lora`` extra
+        (``pip install 'colossal-stack[lora]'``)."""
+        return lora.enable_lora(model, lora_config)
+
+    def save_lora_as_pretrained(self, model: BoostedModel, folder: str | os.PathLike) -> pathlib.Path:
+        """Write the adapter of a boosted :meth:`enable_lora` model as ``PeftModel.save_pretrained``
+        does (``adapter_config.json`` and ``adapter_model.safetensors``, PEFT's key names), so that
+        ``peft.PeftModel.from_pretrained(base_model, folder)`` loads it. Rank 0 writes; collective:
+        every rank calls it."""
+        self._arrive("save_lora_as_pretrained")
+        user = self.plugin.unwrap(model.module)
+        lora.check_peft_model(user)  # a model without an adapter raises on every rank, before the gather
+        # Gathers the base weights too (every plugin has this gather); gathering only the adapter
+        # entries (a filter on the engines' gathers) is left to do: the adapter alone is small.
+        full = self.plugin.full_model_state_dict(model.module)
+        if world_rank() == 0:
+            lora.save_adapter(user, full, folder)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return pathlib.Path(folder)
+
+    def load_lora(self, model: BoostedModel, folder: str | os.PathLike, *, strict: bool = True) -> IncompatibleEntries:
+        """Load an adapter folder (written by ``peft``'s ``save_pretrained`` or by
+        :meth:`save_lora_as_pretrained`) into a boosted :meth:`enable_lora` model, under any plugin
+        and world size; the base weights are left as they are (and are not reported missing).
+
+        Strict like :meth:`load_model`, over the adapter's entries only (named as in the file): one
+        :class:`~colossalai.checkpoint.CheckpointMismatchError` lists every missing, unexpected and
+        mis-shaped one (a different rank ``r``) before anything changes; ``strict=False`` loads the
+        ones that match and returns the others as :class:`~colossalai.checkpoint.IncompatibleEntries`
+        (mis-shaped ones are always an error). Collective: every rank calls it."""
+        self._arrive("load_lora")
+        return lora.load_adapter(self.plugin, model.module, folder, strict=strict)
