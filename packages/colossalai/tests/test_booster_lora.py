@@ -21,6 +21,8 @@ backward passes in one process (what data parallelism sums) gives 4.83e-8 and a 
 ``rtol=1e-5`` plus ``atol=1e-3 * lr``; the losses (the end-to-end check) to ``rtol=1e-5`` alone.
 """
 
+import re
+
 import pytest
 import safetensors
 import torch
@@ -30,7 +32,14 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from colossal.comm.testing import run_distributed  # noqa: E402
-from colossalai import Booster, GeminiPlugin, TorchDDPPlugin, ZeroPlugin  # noqa: E402
+from colossalai import (  # noqa: E402
+    Booster,
+    GeminiPlugin,
+    HybridParallelPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+    ZeroPlugin,
+)
 from colossalai.checkpoint import CheckpointMismatchError  # noqa: E402
 
 STEPS, B, T, V = 3, 2, 8, 64  # B: rows per rank
@@ -43,6 +52,7 @@ PLUGINS = {
     "zero2": lambda: ZeroPlugin(stage=2),
     "zero3": lambda: ZeroPlugin(stage=3),
     "zero3-offload": lambda: ZeroPlugin(stage=3, offload=True),
+    "fsdp": lambda: TorchFSDPPlugin(),
     "gemini-static": lambda: GeminiPlugin(placement="static"),
     "gemini-auto": lambda: GeminiPlugin(placement="auto"),
 }
@@ -118,7 +128,8 @@ def boosted_run(family: str, plugin_name: str):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # gathers: every rank
+    full = booster.plugin.full_model_state_dict(model.module)  # gathers (FSDP too): every rank
+    state = {k: v.detach().cpu().clone() for k, v in full.items()}
     return losses, state if dist.get_rank() == 0 else None
 
 
@@ -174,6 +185,10 @@ def _trained(plugin):
 
 def _folders(root, plain, wrong):
     out, x = {}, batch(0)
+    try:  # refused before anything is wrapped, on every rank
+        Booster(plugin=HybridParallelPlugin(tp_size=2)).enable_lora(base_model("gpt2"), lora_config("gpt2"))
+    except NotImplementedError as e:
+        out["tp"] = str(e)
     # Gemini with its disk tier (frozen base streamed from disk), saved as PEFT: from_pretrained must match.
     disk = root / f"disk{dist.get_rank()}"
     disk.mkdir(exist_ok=True)
@@ -267,3 +282,8 @@ def test_lora_config_must_be_a_lora_config():
         Booster().enable_lora(base_model("gpt2"), {"r": 4})
     with pytest.raises(TypeError, match="got NoneType"):
         Booster().enable_lora(base_model("gpt2"))
+
+
+def test_lora_under_tensor_parallelism_is_refused_with_what_is_supported(folder_results):
+    _, out, _, _ = folder_results
+    assert re.search(r"HybridParallelPlugin\(tp_size=2\) is not supported yet.*ZeroPlugin.*GeminiPlugin", out["tp"])

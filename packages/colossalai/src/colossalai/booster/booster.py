@@ -391,7 +391,16 @@ class Booster:
         is not a ``peft.LoraConfig``; ``ValueError`` naming the values for ``target_modules`` that
         match no module, a rank ``r`` above ``min(in_features, out_features)`` of a targeted layer,
         and (a given PeftModel) base parameters that still require grad. Needs the ``lora`` extra
-        (``pip install 'colossal-stack[lora]'``)."""
+        (``pip install 'colossal-stack[lora]'``). ``NotImplementedError`` under a hybrid plugin with
+        tensor, sequence, pipeline or expert parallelism (its policies do not know peft's layers yet)."""
+        degrees = {k: getattr(self.plugin, k, 1) for k in ("tp_size", "sp_size", "pp_size", "ep_size")}
+        split = {k: v for k, v in degrees.items() if v > 1}
+        if split:
+            shown = ", ".join(f"{k}={v}" for k, v in split.items())
+            raise NotImplementedError(
+                f"LoRA under {type(self.plugin).__name__}({shown}) is not supported yet: use TorchDDPPlugin, "
+                "TorchFSDPPlugin, ZeroPlugin (stages 1-3, offload) or GeminiPlugin (static, auto, disk tier)"
+            )
         return lora.enable_lora(model, lora_config)
 
     def save_lora_as_pretrained(self, model: BoostedModel, folder: str | os.PathLike) -> pathlib.Path:
