@@ -56,8 +56,9 @@ from colossalai.checkpoint import (
     save_safetensors_folder,
     save_sharded,
 )
-from colossalai.checkpoint.hf import load_pretrained, parse_shard_size, save_pretrained
+from colossalai.checkpoint.hf import folder_names, load_pretrained, parse_shard_size, save_pretrained
 from colossalai.checkpoint.integrity import load_file_checked
+from colossalai.checkpoint.sharded import open_checkpoint, quiet_single_process
 from colossalai.checkpoint.slices import aliases
 
 __all__ = ["Booster", "MoEAuxLoss", "RunState"]
@@ -231,9 +232,19 @@ class Booster:
         are ignored, and both come back as :class:`~colossalai.checkpoint.IncompatibleEntries`
         (mis-shaped entries are always an error). A damaged file raises
         :class:`~colossalai.checkpoint.CheckpointError` naming it.
+
+        A model boosted after :meth:`enable_lora` loads a checkpoint of its base model too (one
+        written without LoRA): the base weights are read into the adapted layers and the adapter
+        is left as it is ([Note: a base checkpoint into a LoRA model] in ``booster/lora.py``).
         """
         self._arrive("load_model")
-        return load_sharded(resolve_checkpoint(path), self.plugin, model.module, strict=strict)
+        path = resolve_checkpoint(path)
+        if lora.is_peft_model(self.plugin.unwrap(model.module)):  # [Note: a base checkpoint into a LoRA model]
+            with quiet_single_process():
+                reader = open_checkpoint(path)
+                if lora.holds_base_names(reader.entries()):
+                    return lora.load_base(self.plugin, model.module, reader, strict=strict)
+        return load_sharded(path, self.plugin, model.module, strict=strict)
 
     def save_optimizer(self, optimizer: BoostedOptimizer, root: str | os.PathLike, name: str = "optimizer"):
         """Sharded, crash-safe model + optimizer checkpoint (optimizer state is keyed by parameter
@@ -350,8 +361,12 @@ class Booster:
         ``_keys_to_ignore_on_load_*`` patterns); otherwise strict like :meth:`load_model`: one
         :class:`~colossalai.checkpoint.CheckpointMismatchError` lists every missing, unexpected and
         mis-shaped tensor before anything changes. Returns what a ``strict=False`` load skipped.
-        Collective: every rank calls it."""
+        A model boosted after :meth:`enable_lora` loads the base model's folder (the adapter is left
+        as it is). Collective: every rank calls it."""
         self._arrive("load_pretrained")
+        user = self.plugin.unwrap(model.module)
+        if lora.is_peft_model(user) and lora.holds_base_names({f"model/{n}" for n in folder_names(folder)}):
+            return lora.load_base_pretrained(self.plugin, model.module, folder, strict=strict)
         return load_pretrained(folder, self.plugin, model.module, strict=strict)
 
     def save_pretrained(
@@ -416,6 +431,36 @@ class Booster:
         full = self.plugin.full_model_state_dict(model.module)
         if world_rank() == 0:
             lora.save_adapter(user, full, folder)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return pathlib.Path(folder)
+
+    def save_merged_as_pretrained(
+        self, model: BoostedModel, folder: str | os.PathLike, *, config=None, max_shard_size: int | str = "5GB"
+    ) -> pathlib.Path:
+        """Write the base model with the adapter of a boosted :meth:`enable_lora` model merged in,
+        as a folder that ``transformers``' ``from_pretrained`` loads into the plain base model (what
+        ``peft``'s ``merge_and_unload().save_pretrained(folder)`` writes): the base model's names,
+        each adapted weight ``W + scaling * B @ A`` (fp32 arithmetic, stored in ``W``'s dtype), a
+        ``modules_to_save`` module's trained copy, ``config.json`` (default: the base model's
+        ``config`` when it is a ``transformers`` one; none is written otherwise). The boosted model
+        keeps its adapter unmerged. The model is gathered (rank 0 writes). Collective: every rank
+        calls it."""
+        parse_shard_size(max_shard_size)
+        self._arrive("save_merged_as_pretrained")
+        user = self.plugin.unwrap(model.module)
+        lora.check_peft_model(user)
+        base = user.get_base_model()
+        if config is None:  # the base's own config when it is a transformers one (a user's model may have another)
+            config = getattr(base, "config", None)
+            config = config if hasattr(config, "save_pretrained") else None
+        if config is not None and not hasattr(config, "save_pretrained"):
+            kind = type(config).__name__
+            raise TypeError(f"config must have save_pretrained (a transformers PretrainedConfig), got {kind}")
+        full = self.plugin.full_model_state_dict(model.module)
+        if world_rank() == 0:
+            merged = lora.merged_state_dict(user, full)
+            save_pretrained(merged, folder, max_shard_size=max_shard_size, config=config, tied=aliases(base))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return pathlib.Path(folder)

@@ -12,6 +12,19 @@ Loading is then an ordinary flat-slice load (``[Note: flat-slice checkpoints]``)
 holds the (small) adapter tensors whole in memory, with every other entry in ``reader.skip``: each
 plugin's ``load_checkpoint_pieces`` leaves skipped entries as they are, so DDP, ZeRO, Gemini, FSDP
 and the hybrid plugin need nothing new and the base weights are never reported missing.
+
+[Note: a base checkpoint into a LoRA model]
+``peft`` renames what it wraps: ``transformer.h.0.attn.c_attn.weight`` of the base model is
+``base_model.model.transformer.h.0.attn.c_attn.base_layer.weight`` in the PeftModel. The Booster
+builds and boosts the LoRA model first and loads weights after (a model larger than one process is
+never whole anywhere), so a checkpoint of the base model (``save_model``/``save_run`` of a run
+without LoRA, or a Hugging Face folder) must load into the PeftModel's names. :func:`base_entry_names`
+maps each entry of the PeftModel back to its base name (the ``base_model.model.`` prefix and peft's
+``base_layer`` / ``original_module`` / ``modules_to_save.<adapter>`` segments dropped); the adapter's
+own entries are left as they are. The checkpoint is compared with the base names (so an error names
+what the user's checkpoint holds) and read through a :class:`~colossalai.checkpoint.renamed.RenamedReader`
+([Note: a renamed reader]), each rank reading only its own slices as in any other load; a
+``modules_to_save`` copy is filled from the same base tensor as its original.
 """
 
 from __future__ import annotations
@@ -19,7 +32,10 @@ from __future__ import annotations
 import copy
 import math
 import pathlib
+import re
+import sys
 import types
+import weakref
 
 import torch
 from safetensors import safe_open
@@ -29,6 +45,7 @@ from torch import nn
 from colossal.comm.checkpoint import compare_entries, piece_index
 from colossalai.checkpoint import CheckpointMismatchError, IncompatibleEntries, SliceReader
 from colossalai.checkpoint.errors import unreadable
+from colossalai.checkpoint.renamed import RenamedReader
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -38,6 +55,11 @@ __all__ = [
     "adapter_keys",
     "save_adapter",
     "load_adapter",
+    "is_peft_model",
+    "base_entry_names",
+    "load_base",
+    "load_base_pretrained",
+    "merged_state_dict",
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -136,17 +158,29 @@ def _check_frozen(model) -> None:
         )
 
 
+_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""PeftModel -> (adapter, ``model name -> file name``) as :func:`adapter_keys` found them before
+boost: ``peft`` calls ``state_dict()`` of each ``modules_to_save`` copy to list its names, which a
+ZeRO stage-3 model refuses for a part of itself (its parameters are placeholders there)."""
+
+
 def adapter_keys(model, state: dict[str, torch.Tensor]) -> dict[str, str]:
     """``model name -> file name`` of the adapter entries of ``state`` (the PeftModel's names, any
     tensors: meta ones will do), as ``peft.get_peft_model_state_dict`` picks and names them for the
-    active adapter ([Note: an adapter folder as a partial checkpoint])."""
+    active adapter ([Note: an adapter folder as a partial checkpoint]). Remembered per model and
+    adapter from the first call (:func:`enable_lora` makes it before boost)."""
     from peft import get_peft_model_state_dict
 
+    known = _KEYS.get(model)
+    if known is not None and known[0] == model.active_adapter:
+        return {n: k for n, k in known[1].items() if n in state}
     picked = get_peft_model_state_dict(
         model, state_dict=state, adapter_name=model.active_adapter, save_embedding_layers=False
     )
     name_of = {id(t): n for n, t in state.items()}
-    return {name_of[id(t)]: key for key, t in picked.items()}
+    keys = {name_of[id(t)]: key for key, t in picked.items()}
+    _KEYS[model] = (model.active_adapter, keys)
+    return keys
 
 
 def save_adapter(model, full: dict[str, torch.Tensor], folder) -> pathlib.Path:
@@ -246,3 +280,115 @@ class _AdapterReader(SliceReader):
         self.read_numel += sum(t.numel() for t in tensors.values())
         for key, t in tensors.items():
             t.copy_(self.tensors[key])
+
+
+# ---- a base model's checkpoint into a LoRA model ([Note: a base checkpoint into a LoRA model]) ----
+_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_peft_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``peft.PeftModel`` (False without importing peft when it is not loaded)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def base_entry_names(user, entries: dict) -> tuple[dict[str, str], set[str]]:
+    """``(names, adapter)`` for the entries (``model/<name>`` keys) of the PeftModel ``user``:
+    ``names`` maps each entry that holds base weights (and each ``modules_to_save`` copy) to the
+    base model's entry; ``adapter`` is the set of the adapter's own entries."""
+    meta = {
+        k.removeprefix("model/"): torch.empty(s, dtype=getattr(torch, d), device="meta")
+        for k, (s, d) in entries.items()
+    }
+    own = adapter_keys(user, meta)
+    names, adapter = {}, set()
+    for key in entries:
+        name = key.removeprefix("model/")
+        if name in own and ".modules_to_save." not in name:
+            adapter.add(key)
+        else:
+            names[key] = "model/" + _WRAPPERS.sub("", name.removeprefix(_PEFT_PREFIX))
+    return names, adapter
+
+
+def holds_base_names(saved: dict) -> bool:
+    """Whether a checkpoint's entries are a base model's (no entry under the PeftModel's prefix)."""
+    return not any(k.startswith(f"model/{_PEFT_PREFIX}") for k in saved)
+
+
+def _base_load(plugin, model: nn.Module, view_of) -> IncompatibleEntries:
+    user = plugin.unwrap(model)
+    entries = plugin.checkpoint_entries(model)
+    names, adapter = base_entry_names(user, entries)
+    expected = {old: entries[new] for new, old in names.items()}
+    inner, found = view_of(expected)
+    view = RenamedReader(inner, names)
+    view.skip = adapter | {new for new, old in names.items() if old in inner.skip}
+    plugin.load_checkpoint_pieces(model, None, view)
+    return found
+
+
+def load_base(plugin, model: nn.Module, reader, *, strict: bool = True) -> IncompatibleEntries:
+    """Load ``reader`` (a flat-slice checkpoint of the base model) into ``model``, the plugin's
+    wrapped PeftModel; the adapter is left as it is ([Note: a base checkpoint into a LoRA model]).
+    Strict over the base entries, named as the checkpoint names them. Collective."""
+    from colossal.comm.checkpoint import fit_entries
+
+    def view_of(expected):
+        return reader, fit_entries(reader, expected, with_optimizer=False, strict=strict)
+
+    return _base_load(plugin, model, view_of)
+
+
+def load_base_pretrained(plugin, model: nn.Module, folder, *, strict: bool = True) -> IncompatibleEntries:
+    """Load a Hugging Face folder of the base model into ``model``, the plugin's wrapped PeftModel
+    (names matched against the base model as ``from_pretrained`` matches them); the adapter is left
+    as it is. Strict over the base entries. Collective."""
+    from colossalai.checkpoint.hf import pretrained_reader
+
+    base = plugin.unwrap(model).get_base_model()
+    return _base_load(plugin, model, lambda expected: pretrained_reader(folder, base, expected, strict=strict))
+
+
+# ---- merging the adapter into the base weights -----------------------------------------------------
+def merged_state_dict(user, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's state dict with the adapter merged in, from ``full`` (the gathered state of
+    the PeftModel ``user``): each adapted weight ``W + scaling * B @ A`` (transposed for a
+    ``fan_in_fan_out`` layer, as GPT-2's ``Conv1D``; ``(B @ A)^T`` for an embedding), computed in
+    fp32 and stored in ``W``'s dtype; a ``modules_to_save`` module's trained copy in place of its
+    original; names as the base model has them. ``NotImplementedError`` for adapters this formula
+    does not cover (DoRA, a LoRA bias, convolutions). Not collective."""
+    from peft.tuners.lora import Embedding, Linear, LoraLayer
+
+    adapter = user.active_adapter
+    out = {}
+    merged = {}
+    for name, layer in user.named_modules():
+        if not isinstance(layer, LoraLayer) or (adapter not in layer.lora_A and adapter not in layer.lora_embedding_A):
+            continue
+        if layer.use_dora.get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
+            raise NotImplementedError(f"merging {name!r}: DoRA and LoRA biases are not merged yet (plain LoRA is)")
+        if isinstance(layer, Linear):
+            a, b = full[f"{name}.lora_A.{adapter}.weight"], full[f"{name}.lora_B.{adapter}.weight"]
+            delta = b.float() @ a.float()
+            delta = delta.T if layer.fan_in_fan_out else delta
+        elif isinstance(layer, Embedding):
+            a, b = full[f"{name}.lora_embedding_A.{adapter}"], full[f"{name}.lora_embedding_B.{adapter}"]
+            delta = (b.float() @ a.float()).T
+        else:
+            raise NotImplementedError(f"merging {name!r}: {type(layer).__name__} layers are not merged yet")
+        merged[f"{name}.base_layer.weight"] = delta * layer.scaling[adapter]
+    for name, t in full.items():
+        if ".lora_" in name or (".original_module." in name and _has_copy(name, full)):
+            continue
+        if name in merged:
+            t = (t.float() + merged[name].to(t.device)).to(t.dtype)
+        out[_WRAPPERS.sub("", name.removeprefix(_PEFT_PREFIX))] = t
+    return out
+
+
+def _has_copy(name: str, full: dict) -> bool:
+    """Whether a ``modules_to_save`` original has its trained copy in ``full`` (which replaces it)."""
+    head, _, tail = name.partition(".original_module.")
+    return any(k.startswith(f"{head}.modules_to_save.") and k.endswith(f".{tail}") for k in full)

@@ -44,6 +44,8 @@ __all__ = [
     "FolderLayout",
     "SafetensorsReader",
     "load_pretrained",
+    "pretrained_reader",
+    "folder_names",
     "mixtral_layout",
     "save_pretrained",
     "parse_shard_size",
@@ -75,6 +77,11 @@ def _files(folder: pathlib.Path) -> dict[str, str]:
         f"{str(folder)!r} is not a Hugging Face safetensors folder: expected {SINGLE_NAME} or {INDEX_NAME}, "
         f"found {found[:12]} (a PyTorch .bin folder must be converted: save it with safe_serialization=True)"
     )
+
+
+def folder_names(folder) -> list[str]:
+    """The tensor names a safetensors folder holds (from its index, or its one file's header)."""
+    return sorted(_files(pathlib.Path(folder)))
 
 
 def _header(path: pathlib.Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -341,39 +348,48 @@ def _ignored(names: list[str], patterns: list[str]) -> list[str]:
     return [n for n in names if any(re.search(p, n[len("model/") :]) for p in patterns)]
 
 
+def pretrained_reader(folder, user: nn.Module, expected: dict[str, Entry], *, strict: bool = True):
+    """``(reader, found)``: a :class:`SafetensorsReader` of ``folder`` under the names of ``expected``
+    (``model/<name>`` entries of ``user``, matched as ``from_pretrained`` matches them: tied
+    aliases, the base-model prefix, the ``_keys_to_ignore_on_load_*`` patterns), with the missing
+    entries in its ``skip``, and what a non-strict load skips. Strict like ``load_state_dict``: one
+    :class:`~colossalai.checkpoint.CheckpointMismatchError` before anything is read. Not collective."""
+    from colossalai.checkpoint.slices import aliases
+
+    folder = pathlib.Path(folder)
+    alias = aliases(user)
+    files = _files(folder)
+    wanted = {k[len("model/") :] for k in expected}
+    headers = {n: h for f in sorted(set(files.values())) for n, h in _header(folder / f).items()}
+    layout = mixtral_layout(sorted(files), headers, wanted)
+    rename, drop = _match_names(layout.names(files), wanted, user, alias)
+    reader = SafetensorsReader(folder, rename=rename, drop=drop, layout=layout)
+    found = compare_entries(reader.entries(), reader.held(), expected, with_optimizer=False)
+    ignored_missing = set(_ignored(found.missing, _patterns(user, "_keys_to_ignore_on_load_missing")))
+    ignored_unexpected = set(_ignored(found.unexpected, _patterns(user, "_keys_to_ignore_on_load_unexpected")))
+    found = IncompatibleEntries(
+        [k for k in found.missing if k not in ignored_missing],
+        [k for k in found.unexpected if k not in ignored_unexpected],
+        found.mismatched,
+    )
+    if found.mismatched or (strict and found):
+        hint = "" if found.mismatched else "pass strict=False to load the tensors that match and get the lists back"
+        raise CheckpointMismatchError(folder, found, hint)
+    if found.unexpected or ignored_unexpected:  # not offered to the engines at all
+        named = [reader.sources[k][1] for k in [*found.unexpected, *ignored_unexpected]]
+        gone = {layout.rename.get(n, n) for n in named}
+        reader = SafetensorsReader(folder, rename=rename, drop=drop | gone, layout=layout)
+    reader.skip = set(found.missing) | ignored_missing
+    return reader, found
+
+
 def load_pretrained(folder, plugin, model: nn.Module, *, strict: bool = True) -> IncompatibleEntries:
     """Load a ``save_pretrained`` folder into ``model`` (the plugin's wrapped module): each rank
     reads the slices it owns. Strict like ``load_state_dict`` (see the module note); returns what a
     non-strict load skipped. Collective: every rank calls it."""
-    folder = pathlib.Path(folder)
     with torch.profiler.record_function("colossalai.checkpoint::load_pretrained"):
         user = plugin.unwrap(model)
-        from colossalai.checkpoint.slices import aliases
-
-        alias = aliases(user)
-        expected = plugin.checkpoint_entries(model)
-        files = _files(folder)
-        wanted = {k[len("model/") :] for k in expected}
-        headers = {n: h for f in sorted(set(files.values())) for n, h in _header(folder / f).items()}
-        layout = mixtral_layout(sorted(files), headers, wanted)
-        rename, drop = _match_names(layout.names(files), wanted, user, alias)
-        reader = SafetensorsReader(folder, rename=rename, drop=drop, layout=layout)
-        found = compare_entries(reader.entries(), reader.held(), expected, with_optimizer=False)
-        ignored_missing = set(_ignored(found.missing, _patterns(user, "_keys_to_ignore_on_load_missing")))
-        ignored_unexpected = set(_ignored(found.unexpected, _patterns(user, "_keys_to_ignore_on_load_unexpected")))
-        found = IncompatibleEntries(
-            [k for k in found.missing if k not in ignored_missing],
-            [k for k in found.unexpected if k not in ignored_unexpected],
-            found.mismatched,
-        )
-        if found.mismatched or (strict and found):
-            hint = "" if found.mismatched else "pass strict=False to load the tensors that match and get the lists back"
-            raise CheckpointMismatchError(folder, found, hint)
-        if found.unexpected or ignored_unexpected:  # not offered to the engines at all
-            named = [reader.sources[k][1] for k in [*found.unexpected, *ignored_unexpected]]
-            gone = {layout.rename.get(n, n) for n in named}
-            reader = SafetensorsReader(folder, rename=rename, drop=drop | gone, layout=layout)
-        reader.skip = set(found.missing) | ignored_missing
+        reader, found = pretrained_reader(folder, user, plugin.checkpoint_entries(model), strict=strict)
         plugin.load_checkpoint_pieces(model, None, reader)
     return found
 

@@ -18,14 +18,14 @@ from torch import nn
 
 from colossal.comm.checkpoint import IncompatibleEntries, SliceReader, fit_entries, open_reader, save_flat
 
-__all__ = ["save_sharded", "load_sharded", "check_fits", "DCP_SUBDIR"]
+__all__ = ["save_sharded", "load_sharded", "open_checkpoint", "check_fits", "quiet_single_process", "DCP_SUBDIR"]
 
 DCP_SUBDIR = "dcp"
 """Sub-directory of a checkpoint holding the DCP files."""
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns that it assumes a single process when torch.distributed is off: that is intended."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
@@ -42,7 +42,7 @@ def save_sharded(folder: str | os.PathLike, plugin, model: nn.Module, optimizer=
     ([Note: strict loading]) and the checksums of the files ([Note: checksums]). Collective: every
     rank calls it."""
     path = pathlib.Path(folder) / DCP_SUBDIR
-    with torch.profiler.record_function("colossalai.checkpoint::save_sharded"), _quiet_single_process():
+    with torch.profiler.record_function("colossalai.checkpoint::save_sharded"), quiet_single_process():
         pieces = plugin.checkpoint_pieces(model, optimizer)
         save_flat(path, pieces, plugin.checkpoint_entries(model), _rank())
 
@@ -56,16 +56,22 @@ def check_fits(reader: SliceReader, plugin, model: nn.Module, optimizer=None, *,
     return fit_entries(reader, plugin.checkpoint_entries(model), with_optimizer=optimizer is not None, strict=strict)
 
 
+def open_checkpoint(folder: str | os.PathLike) -> SliceReader:
+    """The :class:`SliceReader` of ``folder/dcp`` (or of ``folder`` itself, an engine's own
+    ``save_sharded``); :class:`CheckpointError` naming it when it holds none."""
+    path = pathlib.Path(folder) / DCP_SUBDIR
+    if not path.is_dir() and (pathlib.Path(folder) / ".metadata").is_file():  # an engine's own save_sharded
+        path = pathlib.Path(folder)
+    return open_reader(path)
+
+
 def load_sharded(
     folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None, *, strict: bool = True
 ) -> IncompatibleEntries:
     """Read ``folder/dcp`` into the model (and optimizer), resharding to the current layout, after
     the strict check (:func:`check_fits`); returns the entries a non-strict load skipped. Collective."""
-    path = pathlib.Path(folder) / DCP_SUBDIR
-    if not path.is_dir() and (pathlib.Path(folder) / ".metadata").is_file():  # an engine's own save_sharded
-        path = pathlib.Path(folder)
-    with torch.profiler.record_function("colossalai.checkpoint::load_sharded"), _quiet_single_process():
-        reader = open_reader(path)
+    with torch.profiler.record_function("colossalai.checkpoint::load_sharded"), quiet_single_process():
+        reader = open_checkpoint(folder)
         found = check_fits(reader, plugin, model, optimizer, strict=strict)
         plugin.load_checkpoint_pieces(model, optimizer, reader)
     return found

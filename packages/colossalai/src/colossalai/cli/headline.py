@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from colossalai.cli.meters import format_bytes
 
-__all__ = ["DEFAULT_BUDGET_FRACTION", "model_state_bytes", "default_device_budget", "headline", "tier_rows"]
+__all__ = [
+    "DEFAULT_BUDGET_FRACTION",
+    "model_state_bytes",
+    "lora_state_bytes",
+    "working_bytes",
+    "default_device_budget",
+    "headline",
+    "tier_rows",
+]
 
 DEFAULT_BUDGET_FRACTION = 0.65
 """Device budget of ``colossalai train --plugin gemini`` without ``--device-budget``, as a fraction of
@@ -41,6 +49,20 @@ def model_state_bytes(num_parameters: int, precision: str, shards: int = 1) -> i
     return num_parameters * per_param // shards
 
 
+def working_bytes(precision: str) -> int:
+    """Bytes per element of the working parameters under ``precision`` (fp32 4, fp16/bf16 2)."""
+    if precision not in _WORKING_BYTES:
+        raise ValueError(f"precision must be one of {sorted(_WORKING_BYTES)}, got {precision!r}")
+    return _WORKING_BYTES[precision]
+
+
+def lora_state_bytes(frozen: int, trainable: int, precision: str, shards: int = 1) -> int:
+    """Bytes of model states per process when only ``trainable`` parameters train: the frozen
+    ones in working precision alone (no gradient, master or moments), the trainable ones as
+    :func:`model_state_bytes` counts them, split over ``shards`` processes."""
+    return (frozen * working_bytes(precision) + model_state_bytes(trainable, precision)) // shards
+
+
 def default_device_budget(num_parameters: int, precision: str, shards: int = 1) -> int:
     """The default Gemini device budget: :data:`DEFAULT_BUDGET_FRACTION` of the model states per process."""
     return int(model_state_bytes(num_parameters, precision, shards) * DEFAULT_BUDGET_FRACTION)
@@ -50,7 +72,8 @@ def headline(states: int, budget: int, device: str) -> str:
     """'model states 12.9 MiB = 1.7 x the device budget (7.7 MiB on cpu, accounted)'."""
     where = "cpu, accounted" if device == "cpu" else device
     ratio = states / budget
-    return f"model states {format_bytes(states)} = {ratio:.1f} x the device budget ({format_bytes(budget)} on {where})"
+    shown = f"{ratio:.1f}" if ratio >= 1 else f"{ratio:.2f}"
+    return f"model states {format_bytes(states)} = {shown} x the device budget ({format_bytes(budget)} on {where})"
 
 
 def tier_rows(history: list, train_seconds: float) -> dict[str, str]:

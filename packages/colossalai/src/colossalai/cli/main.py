@@ -1,4 +1,4 @@
-"""The ``colossalai`` command: ``train``, ``run``, ``check``."""
+"""The ``colossalai`` command: ``train``, ``finetune``, ``run``, ``plan``, ``check``."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="colossalai", description="Colossal: train, launch, check.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_arguments(sub.add_parser("train", help="train a GPT, PaLM or MoE GPT on the embedded corpus"))
+    from colossalai.cli.finetune import add_finetune_arguments
+
+    add_finetune_arguments(
+        sub.add_parser("finetune", help="LoRA fine-tuning of a model that train wrote, on a corpus of your choosing")
+    )
     run = sub.add_parser("run", help="launch a script on N processes of one or several hosts (torchrun)")
     run.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=1, help="processes per host")
     run.add_argument("--hostfile", default=None, help="file of 'host [slots=N]' lines")
@@ -64,6 +69,9 @@ def _validate(args: argparse.Namespace, quiet: bool) -> bool:
     try:
         if args.command == "run":
             warnings = validate.validate_run(args)
+        elif args.command == "finetune":
+            world = int(os.environ.get("WORLD_SIZE", args.nproc)) if launcher.under_launcher() else None
+            warnings = validate.validate_finetune(args, world)
         else:
             world = int(os.environ.get("WORLD_SIZE", args.nproc)) if launcher.under_launcher() else None
             warnings = validate.validate_train(args, world)
@@ -91,7 +99,7 @@ def _train_worker(args: argparse.Namespace) -> int:
         message = None if args.debug else cli_message(exc, args)
         if message is None:
             raise
-        print(f"colossalai train: error: {message}", file=sys.stderr)
+        print(f"colossalai {args.command}: error: {message}", file=sys.stderr)
         _leave_process_group()
         return 2
     return 0

@@ -19,7 +19,7 @@ from colossalai.cli import headline
 from colossalai.cli.meters import Meters, format_bytes
 from colossalai.cli.progress import TrainProgress, summary_table
 from colossalai.cli.train_args import SAMPLE_TEMPERATURE, SAMPLE_TOP_K, parse_bytes, seq_len_of
-from colossalai.data import CorpusTokenizer, TokenWindows, load_corpus
+from colossalai.data import CorpusTokenizer, TokenWindows, load_corpus, read_text_corpus
 from colossalai.models import model_family
 
 __all__ = ["train", "criterion"]
@@ -32,7 +32,9 @@ def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _device_budget(args: argparse.Namespace) -> int:
     """``--device-budget``, or the default: a fraction of the model states of one process
-    (``[Note: the default device budget]`` in ``colossalai.cli.headline``)."""
+    (``[Note: the default device budget]`` in ``colossalai.cli.headline``); for ``finetune`` the
+    same as ``train`` of that model would get (the activations are the same; the frozen base holds
+    no gradients or moments, so the LoRA model's states are a fraction of the budget)."""
     given = parse_bytes(args.device_budget)
     if given is not None:
         return given
@@ -125,27 +127,59 @@ def _dataset(args: argparse.Namespace, seq_len: int, tokenizer: CorpusTokenizer,
     return data
 
 
+def finetuning(args: argparse.Namespace) -> bool:
+    """Whether ``args`` are ``colossalai finetune``'s (a ``--base`` to adapt)."""
+    return getattr(args, "base", None) is not None
+
+
+def _corpus(args: argparse.Namespace) -> torch.Tensor:
+    """``--corpus`` (a text file or folder) or the embedded corpus, up to ``--corpus-bytes``."""
+    if args.corpus:
+        return read_text_corpus(args.corpus, args.corpus_bytes)
+    return load_corpus(args.corpus_bytes)
+
+
+def _counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(frozen, trainable) parameters of ``model`` (a tied one counted once)."""
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return frozen, sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _build(args: argparse.Namespace, block_size: int, vocab_size: int):
+    family = model_family(args.model)
+    return family.build(
+        family.preset(args.preset),
+        seed=args.seed,
+        block_size=block_size,
+        vocab_size=vocab_size,
+        activation_checkpointing=_activation_checkpointing(args),
+    )
+
+
 def _setup(args: argparse.Namespace):
     """Booster, boosted model/optimizer/loader/scheduler, the run state (resumed or fresh), the
-    tokenizer and the corpus bytes per token."""
+    tokenizer, the corpus bytes per token, and (``finetune``) the base and the parameter counts."""
+    from colossalai.cli import finetune
+
     torch.manual_seed(args.seed)
-    corpus = load_corpus(args.corpus_bytes)  # read once: the tokenizer learns from it, the windows cut it
-    tokenizer = _tokenizer(args, corpus)
+    base = finetune.apply_base(args) if finetuning(args) else None
+    corpus = _corpus(args)  # read once: the tokenizer learns from it, the windows cut it
+    tokenizer = base.tokenizer if base is not None and not args.resume else _tokenizer(args, corpus)
+    family = model_family(args.model)
+    seq_len = seq_len_of(args, family.config(family.preset(args.preset)).block_size)
     booster = Booster(plugin=_plugin(args), mixed_precision=args.precision)
     dp = booster.plugin.dp_size()
     if args.batch_size % dp:
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
-    family = model_family(args.model)
-    preset = family.preset(args.preset)
-    seq_len = seq_len_of(args, family.config(preset).block_size)
-    model = family.build(
-        preset,
-        seed=args.seed,
-        block_size=seq_len,
-        vocab_size=tokenizer.vocab_size,
-        activation_checkpointing=_activation_checkpointing(args),
-    )
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    counts = None
+    if base is not None:  # [Note: what finetune reuses]
+        model = _build(args, base.block_size, tokenizer.vocab_size)
+        model = booster.enable_lora(model, finetune.lora_config(args, model))
+        counts = _counts(model)
+    else:
+        model = _build(args, seq_len, tokenizer.vocab_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _schedule(optim, args.warmup, args.steps)
     data = _dataset(args, seq_len, tokenizer, corpus)
     loader = booster.prepare_dataloader(data, args.batch_size // dp, seed=args.seed)
@@ -153,7 +187,12 @@ def _setup(args: argparse.Namespace):
     state = RunState(extra={"args": vars(args), "tokenizer": tokenizer.to_json()})  # resume and samples read it
     if args.resume:
         state = booster.load_run(args.resume, model, optim, sched, dataloader=loader)
-    return booster, model, optim, loader, sched, state, seq_len, tokenizer, corpus.numel() / data.tokens.numel()
+    elif base is not None and base.kind == "checkpoint":  # the base weights into the adapted layers
+        booster.load_model(model, base.path)
+    elif base is not None:
+        booster.load_pretrained(model, base.path)
+    setup = (booster, model, optim, loader, sched, state, seq_len, tokenizer, corpus.numel() / data.tokens.numel())
+    return (*setup, base, counts)
 
 
 def _batches(loader, state: RunState):
@@ -344,15 +383,61 @@ def _model_name(args: argparse.Namespace) -> str:
     return f"{family.label} {family.preset(args.preset)}"
 
 
-def _headline(args, booster: Booster, rows: dict[str, str], meters: Meters) -> str:
+def _headline(args, booster: Booster, rows: dict[str, str], meters: Meters, counts=None) -> str:
     """With Gemini: add the bytes moved per tier to ``rows`` and return the capacity line
-    ("model states X = N x the device budget"); other plugins: ''."""
+    ("model states X = N x the device budget"; ``counts``: (frozen, trainable) parameters of a
+    LoRA model); other plugins: ''."""
     engine = getattr(booster.plugin, "model", None)
     if args.plugin != "gemini" or engine is None:
         return ""
     rows.update(headline.tier_rows(engine.stats_history, meters.seconds()))
-    states = headline.model_state_bytes(engine.module.config.num_parameters(), args.precision, booster.plugin.dp_size())
+    dp = booster.plugin.dp_size()
+    if counts is not None:
+        states = headline.lora_state_bytes(*counts, args.precision, dp)
+    else:
+        states = headline.model_state_bytes(engine.module.config.num_parameters(), args.precision, dp)
     return headline.headline(states, engine.manager.device.budget, engine.manager.device.kind)
+
+
+def _finetune_rows(args, booster: Booster, model, base, counts: tuple[int, int]) -> dict[str, str]:
+    """``finetune``'s summary rows: the base, the adapter (trainable share), the frozen bytes per
+    tier, and where the adapter and the merged model went."""
+    from colossalai.cli.finetune import frozen_bytes_per_tier
+
+    frozen, trainable = counts
+    total = frozen + trainable
+    config = model.unwrap().active_peft_config
+    targets = ", ".join(sorted(config.target_modules))
+    tiers = frozen_bytes_per_tier(booster.plugin, frozen, args.precision)
+    return {
+        "base": f"{base.path} ({base.kind})",
+        "LoRA": f"r={config.r}, alpha {config.lora_alpha:g} on {targets}",
+        "trainable": f"{trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%)",
+        "frozen base": ", ".join(f"{t}={format_bytes(b)}" for t, b in tiers.items()) + " per process",
+        "adapter": str(args.adapter_out or "-"),
+        "merged": str(args.merge_out or "-"),
+    }
+
+
+def _write_outputs(args, booster: Booster, model, tokenizer: CorpusTokenizer, base, rank: int) -> None:
+    """``--export`` (with its model card: ``finetune --base`` reads it back), and ``finetune``'s
+    ``--adapter-out`` (PEFT's layout) and ``--merge-out`` (the base with the adapter merged in)."""
+    from colossalai.cli.finetune import write_model_card
+
+    block = base.block_size if base is not None else model.unwrap().config.block_size
+    preset = model_family(args.model).preset(args.preset)
+    if args.export:
+        booster.export_safetensors(model, args.export)
+        if rank == 0:
+            write_model_card(args.export, args.model, preset, block, tokenizer)
+    if base is not None and args.adapter_out:
+        booster.save_lora_as_pretrained(model, args.adapter_out)
+        if rank == 0:
+            tokenizer.save_hf(args.adapter_out)
+    if base is not None and args.merge_out:
+        booster.save_merged_as_pretrained(model, args.merge_out)
+        if rank == 0:
+            write_model_card(args.merge_out, args.model, preset, block, tokenizer)
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -364,15 +449,13 @@ def train(args: argparse.Namespace) -> dict:
     owned = not dist.is_initialized()  # a caller's own process group stays up
     info = launch()
     t0 = time.perf_counter()
-    booster, model, optim, loader, sched, state, seq_len, tokenizer, bytes_per_token = _setup(args)
+    setup = _setup(args)
+    booster, model, optim, loader, sched, state, seq_len, tokenizer, bytes_per_token, base, counts = setup
     start = state.step
     meters, first, last = _loop(args, booster, model, optim, loader, sched, state, seq_len, info.rank)
     if args.save_dir and (not args.save_every or state.step % args.save_every):
         booster.save_run(args.save_dir, model, optim, sched, state=state)
-    if args.export:
-        booster.export_safetensors(model, args.export)
-        if info.rank == 0:
-            tokenizer.save_hf(args.export)
+    _write_outputs(args, booster, model, tokenizer, base, info.rank)
     tp = getattr(booster.plugin, "tp_size", 1)  # a batch divisible by every TP grid's batch split
     sp = getattr(booster.plugin, "sp_size", 1)
     pp = getattr(booster.plugin, "pp_size", 1)  # no single forward to sample with under pp
@@ -405,12 +488,15 @@ def train(args: argparse.Namespace) -> dict:
         skip, active = profile_window(args, args.steps - start)
         first_step, last_step = start + skip + 1, start + skip + active
         rows["profile"] = f"{args.profile} (steps {first_step}-{last_step}; colossal-profiler summarize)"
-    line = _headline(args, booster, rows, meters)
+    if base is not None:
+        rows["model"] = f"{_model_name(args)}: {counts[0] + counts[1]:,} parameters"
+        rows.update(_finetune_rows(args, booster, model, base, counts))
+    line = _headline(args, booster, rows, meters, counts)
     if info.rank == 0:
         from rich.console import Console
 
         console = Console()
-        console.print(summary_table(rows))
+        console.print(summary_table(rows, "colossalai finetune" if base is not None else "colossalai train"))
         if line:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
         if sample:

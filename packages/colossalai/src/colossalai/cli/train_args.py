@@ -54,17 +54,19 @@ SAMPLE_TOP_K = 10
 """Default top-k of the sample at the end: tokens outside the model's ten likeliest are never drawn."""
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """Register every ``train`` option on ``p``."""
+def add_train_arguments(p: argparse.ArgumentParser, *, with_model: bool = True) -> None:
+    """Register every ``train`` option on ``p`` (``with_model=False``: all but ``--model``,
+    ``--preset`` and ``--vocab-size``, which ``finetune`` takes from its base)."""
     p.add_argument("--plugin", default="gemini", choices=sorted(PLUGINS), help="parallel layout (default gemini)")
-    p.add_argument("--model", default="gpt", choices=list(MODELS), help="model family (default gpt)")
-    presets = [name for family in MODELS.values() for name in family.presets]
-    p.add_argument(
-        "--preset",
-        default=None,
-        choices=presets,
-        help="model size (default: the family's mini preset, ~1M parameters)",
-    )
+    if with_model:
+        p.add_argument("--model", default="gpt", choices=list(MODELS), help="model family (default gpt)")
+        presets = [name for family in MODELS.values() for name in family.presets]
+        p.add_argument(
+            "--preset",
+            default=None,
+            choices=presets,
+            help="model size (default: the family's mini preset, ~1M parameters)",
+        )
     p.add_argument("--nproc", type=int, default=1, help="processes on this host (relaunches through torchrun)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="mixed precision")
     p.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps in total (default {STEPS})")
@@ -80,17 +82,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip gradient norm to this (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument(
+        "--corpus", default=None, help="text file or folder of text files to train on (default: the embedded one)"
+    )
+    p.add_argument(
         "--corpus-bytes",
         type=int,
         default=CORPUS_BYTES,
-        help=f"bytes of the embedded corpus to use (default {CORPUS_BYTES}: the default run sees it about once)",
+        help=f"bytes of the corpus to use (default {CORPUS_BYTES}: the default run sees the embedded one about once)",
     )
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        default=VOCAB_SIZE,
-        help=f"token ids: a byte-level BPE learned from the corpus (default {VOCAB_SIZE}; 256: plain bytes)",
-    )
+    if with_model:
+        p.add_argument(
+            "--vocab-size",
+            type=int,
+            default=VOCAB_SIZE,
+            help=f"token ids: a byte-level BPE learned from the corpus (default {VOCAB_SIZE}; 256: plain bytes)",
+        )
     p.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,

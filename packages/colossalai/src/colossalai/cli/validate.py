@@ -27,7 +27,7 @@ import pathlib
 
 import torch
 
-__all__ = ["UsageError", "validate_train", "validate_run", "usable_cores"]
+__all__ = ["UsageError", "validate_train", "validate_finetune", "validate_run", "usable_cores"]
 
 
 class UsageError(ValueError):
@@ -95,8 +95,10 @@ def _check_paths(args: argparse.Namespace) -> None:
     """``--resume`` exists; output folders are not files."""
     if args.resume is not None and not pathlib.Path(args.resume).is_dir():
         raise UsageError(f"--resume {args.resume}: no such checkpoint folder")
-    for dest in ("save_dir", "export", "profile", "tensorboard"):
-        path = getattr(args, dest)
+    if args.corpus is not None and not pathlib.Path(args.corpus).exists():
+        raise UsageError(f"--corpus {args.corpus}: no such file or folder")
+    for dest in ("save_dir", "export", "profile", "tensorboard", "adapter_out", "merge_out"):
+        path = getattr(args, dest, None)
         if path is not None and pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
             raise UsageError(f"{_flag(dest)} {path}: exists and is not a folder")
 
@@ -281,6 +283,34 @@ def validate_train(args: argparse.Namespace, world: int | None = None) -> list[s
     dp = _data_parallel(args, plugin, world)
     _check_model(args, plugin, dp)
     return _check_processes(args.nproc)
+
+
+def validate_finetune(args: argparse.Namespace, world: int | None = None) -> list[str]:
+    """Check every ``finetune`` option: the base (its model options are set from it), the LoRA
+    options, the plugin (LoRA runs under ddp, fsdp, zero and gemini), then everything ``train``
+    checks; returns warnings, raises :class:`UsageError` for the first bad one."""
+    from colossalai.cli.finetune import apply_base
+
+    if args.export is not None:
+        raise UsageError(
+            "--export writes a train run's model; finetune writes --adapter-out (the adapter, PEFT's layout) "
+            "and --merge-out (the base with the adapter merged in)"
+        )
+    if args.plugin == "hybrid":
+        raise UsageError(
+            "finetune runs under --plugin ddp, fsdp, zero or gemini (LoRA under hybrid is not supported yet)"
+        )
+    if args.lora_rank < 1:
+        raise UsageError(f"--lora-rank must be >= 1, got {args.lora_rank}")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        raise UsageError(f"--lora-alpha must be a finite number > 0, got {args.lora_alpha}")
+    if not 0 <= args.lora_dropout < 1:
+        raise UsageError(f"--lora-dropout must lie in [0, 1), got {args.lora_dropout}")
+    try:
+        apply_base(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return validate_train(args, world)
 
 
 def validate_run(args: argparse.Namespace) -> list[str]:

@@ -1,6 +1,6 @@
 """The embedded default corpus (Python standard-library source), its tokenizer and its datasets."""
 
-from colossalai.data.corpus import VOCAB_SIZE, decode, encode, load_corpus, stdlib_files
+from colossalai.data.corpus import VOCAB_SIZE, decode, encode, load_corpus, read_text_corpus, stdlib_files
 from colossalai.data.dataset import ResumableDistributedSampler, TokenWindows
 from colossalai.data.tokenizer import BYTE_VOCAB_SIZE, CorpusTokenizer
 
@@ -11,6 +11,7 @@ __all__ = [
     "decode",
     "encode",
     "load_corpus",
+    "read_text_corpus",
     "stdlib_files",
     "ResumableDistributedSampler",
     "TokenWindows",

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["stdlib_files", "load_corpus", "encode", "decode", "VOCAB_SIZE"]
+__all__ = ["stdlib_files", "load_corpus", "read_text_corpus", "encode", "decode", "VOCAB_SIZE"]
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary: token id == byte value."""
@@ -51,6 +51,43 @@ def load_corpus(max_bytes: int = 4_000_000, root: str | pathlib.Path | None = No
         total += len(chunks[-1])
         if total >= max_bytes:
             break
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+def _text_files(root: pathlib.Path) -> Iterator[pathlib.Path]:
+    """Files under ``root`` in a fixed order (a sorted top-down walk), hidden ones left out."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield pathlib.Path(dirpath, name)
+
+
+def read_text_corpus(path: str | pathlib.Path, max_bytes: int) -> torch.Tensor:
+    """A user's corpus as uint8 (N,): the bytes of the text file ``path``, or of every UTF-8 text
+    file under the folder ``path`` (sorted walk; hidden files and files that are not UTF-8, such as
+    images or archives, are left out), each followed by a blank line, up to ``max_bytes``.
+    ValueError naming the path when it holds no text."""
+    path = pathlib.Path(path)
+    if max_bytes <= 1:
+        raise ValueError(f"max_bytes must be > 1, got {max_bytes}")
+    if not path.exists():
+        raise ValueError(f"corpus {str(path)!r} does not exist (a text file or a folder of text files)")
+    chunks, total, skipped = [], 0, 0
+    for file in [path] if path.is_file() else _text_files(path):
+        data = file.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped += 1
+            continue
+        chunks.append((data + b"\n\n")[: max_bytes - total])
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    if total <= 1:
+        extra = f" ({skipped} file(s) that are not UTF-8 text left out)" if skipped else ""
+        raise ValueError(f"corpus {str(path)!r} holds no text{extra}")
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
