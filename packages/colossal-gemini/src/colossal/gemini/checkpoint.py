@@ -303,12 +303,21 @@ def _fakes(optim) -> dict:
 
 
 @_pages_disk
-def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
+def sharded_state_dict(model, optimizer=None, *, names=None) -> dict[str, torch.Tensor]:
     """The pieces this rank writes in the flat-slice format (module note): views of its own master
-    slices and optimizer states, scalars, and whole buffers; nothing is gathered."""
+    slices and optimizer states, scalars, and whole buffers; nothing is gathered. ``names``: only
+    the pieces of these parameters and buffers (a frozen chunk holding none of them is not read,
+    from the host or the disk tier)."""
     sd, fakes = {}, _fakes(optimizer)
-    values = {c.id: _values(model.manager, c) for c in model.manager.chunks if c.frozen}
+    wanted = (lambda n: True) if names is None else set(names).__contains__
+    values = {
+        c.id: _values(model.manager, c)
+        for c in model.manager.chunks
+        if c.frozen and any(wanted(info.name) for info in c.tensors)
+    }
     for chunk, info, start, (lo, hi) in _my_slices(model.manager):
+        if not wanted(info.name):
+            continue
         sd[f"model/{info.name}@{start}"] = values.get(chunk.id, chunk.master).detach()[lo:hi]
         for k, t in optimizer.optim.state.get(fakes.get((chunk.id, lo)), {}).items() if optimizer else ():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -316,7 +325,8 @@ def sharded_state_dict(model, optimizer=None) -> dict[str, torch.Tensor]:
             else:  # a Python float (LARS's scale) keeps its precision
                 sd[f"optim/{info.name}/{k}"] = _scalar_tensor(t)
     for n, b in _buffers(model.module):
-        sd[f"model/{n}" if b.dim() == 0 else f"model/{n}@0"] = b.detach().reshape(b.shape if b.dim() == 0 else -1)
+        if wanted(n):
+            sd[f"model/{n}" if b.dim() == 0 else f"model/{n}@0"] = b.detach().reshape(b.shape if b.dim() == 0 else -1)
     return sd
 
 

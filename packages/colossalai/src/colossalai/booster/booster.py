@@ -426,11 +426,10 @@ class Booster:
         self._arrive("save_lora_as_pretrained")
         user = self.plugin.unwrap(model.module)
         lora.check_peft_model(user)  # a model without an adapter raises on every rank, before the gather
-        # Gathers the base weights too (every plugin has this gather); gathering only the adapter
-        # entries (a filter on the engines' gathers) is left to do: the adapter alone is small.
-        full = self.plugin.full_model_state_dict(model.module)
+        names = lora.adapter_names(user, self.plugin.checkpoint_entries(model.module))
+        adapter = lora.gather_entries(self.plugin, model.module, names)  # the adapter only, not the base
         if world_rank() == 0:
-            lora.save_adapter(user, full, folder)
+            lora.save_adapter(user, adapter, folder)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return pathlib.Path(folder)

@@ -170,6 +170,12 @@ class GeminiPlugin(Plugin):
         pieces = sharded_state_dict(self.model, self.engine)
         return {**pieces, GROUPS_KEY: groups_blob(self.engine.optim.param_groups)}
 
+    def model_pieces(self, model: nn.Module, names) -> dict[str, torch.Tensor]:
+        """This rank's pieces of the entries ``names``; frozen chunks without one are not read."""
+        from colossal.gemini import sharded_state_dict
+
+        return sharded_state_dict(self.model, names=set(names))
+
     def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
         """Logical shapes and dtypes from Gemini's chunk records (nothing gathered)."""
         from colossal.gemini import sharded_entries

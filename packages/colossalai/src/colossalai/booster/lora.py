@@ -60,6 +60,8 @@ __all__ = [
     "load_base",
     "load_base_pretrained",
     "merged_state_dict",
+    "adapter_names",
+    "gather_entries",
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -236,11 +238,7 @@ def load_adapter(plugin, model: nn.Module, folder, *, strict: bool = True) -> In
     if not isinstance(user, _peft().PeftModel):
         raise TypeError(f"load_lora needs a model boosted after Booster.enable_lora, got {type(user).__name__}")
     entries = plugin.checkpoint_entries(model)  # model/<name> -> (shape, dtype): nothing gathered
-    meta = {
-        k.removeprefix("model/"): torch.empty(s, dtype=getattr(torch, d), device="meta")
-        for k, (s, d) in entries.items()
-    }
-    names = {key: name for name, key in adapter_keys(user, meta).items()}  # file name -> model name
+    names = {key: name for name, key in adapter_keys(user, _meta(entries)).items()}  # file name -> model name
     header = _read_header(path)
     saved = {f"model/{k}": (s, _DTYPE_NAMES.get(d, d)) for k, (s, d) in header.items()}
     expected = {f"model/{key}": entries[f"model/{name}"] for key, name in names.items()}
@@ -293,14 +291,67 @@ def is_peft_model(module: nn.Module) -> bool:
     return peft is not None and isinstance(module, peft.PeftModel)
 
 
+def _meta(entries: dict) -> dict[str, torch.Tensor]:
+    """Meta tensors of a plugin's ``checkpoint_entries`` under the model's names."""
+    return {
+        k.removeprefix("model/"): torch.empty(s, dtype=getattr(torch, d), device="meta")
+        for k, (s, d) in entries.items()
+    }
+
+
+def adapter_names(user, entries: dict) -> list[str]:
+    """Model names of the adapter's entries (what :func:`save_adapter` writes) among ``entries``."""
+    return sorted(adapter_keys(user, _meta(entries)))
+
+
+def gather_entries(plugin, model: nn.Module, names) -> dict[str, torch.Tensor] | None:
+    """The model entries ``names``, whole, on the CPU of rank 0 (None on the other ranks): each rank
+    sends its own pieces of them (:meth:`Plugin.model_pieces`) and rank 0 joins them, so only these
+    entries travel and rank 0 never holds the rest of the model (an adapter, not its base).
+    RuntimeError when the pieces do not cover an entry. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    names = list(names)
+    mine = {k: v.detach().to("cpu").clone() for k, v in plugin.model_pieces(model, names).items()}  # no views
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    parts = [None] * world if rank == 0 else None
+    if world > 1:
+        dist.gather_object(mine, parts, dst=0)
+    else:
+        parts = [mine]
+    if rank != 0:
+        return None
+    entries = plugin.checkpoint_entries(model)
+    flats: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for key, t in part.items():
+            prefix, _, start = key.rpartition("@")
+            if not prefix:  # a 0-dim entry
+                out[key.removeprefix("model/")] = t
+                continue
+            name = prefix.removeprefix("model/")
+            n = math.prod(entries[prefix][0])
+            flat = flats.setdefault(name, torch.empty(n, dtype=t.dtype))
+            seen = covered.setdefault(name, torch.zeros(n, dtype=torch.bool))
+            flat[int(start) : int(start) + t.numel()] = t
+            seen[int(start) : int(start) + t.numel()] = True
+    for name in names:
+        if name in out:
+            continue
+        if name not in flats or not covered[name].all():
+            have = int(covered[name].sum()) if name in covered else 0
+            raise RuntimeError(f"the ranks' pieces of {name!r} cover {have} of its elements, not all")
+        out[name] = flats[name].view(entries[f"model/{name}"][0])
+    return out
+
+
 def base_entry_names(user, entries: dict) -> tuple[dict[str, str], set[str]]:
     """``(names, adapter)`` for the entries (``model/<name>`` keys) of the PeftModel ``user``:
     ``names`` maps each entry that holds base weights (and each ``modules_to_save`` copy) to the
     base model's entry; ``adapter`` is the set of the adapter's own entries."""
-    meta = {
-        k.removeprefix("model/"): torch.empty(s, dtype=getattr(torch, d), device="meta")
-        for k, (s, d) in entries.items()
-    }
+    meta = _meta(entries)
     own = adapter_keys(user, meta)
     names, adapter = {}, set()
     for key in entries:

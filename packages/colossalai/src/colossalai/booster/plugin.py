@@ -162,6 +162,13 @@ class Plugin(abc.ABC):
         optim_sd = self.optimizer_state_dict(model, optimizer) if optimizer is not None else None
         return pieces_from_state(self.model_state_dict(model), optim_sd, aliases(self.unwrap(model)))
 
+    def model_pieces(self, model: nn.Module, names) -> dict[str, torch.Tensor]:
+        """This rank's pieces (``model/<name>@<start>``, as :meth:`checkpoint_pieces` gives them) of
+        the model entries ``names`` only: what a partial save (a LoRA adapter) gathers. Default:
+        :meth:`checkpoint_pieces` filtered. Collective (as that is): every rank calls it."""
+        wanted = {f"model/{n}" for n in names}
+        return {k: v for k, v in self.checkpoint_pieces(model).items() if k.rpartition("@")[0] in wanted or k in wanted}
+
     def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
         """``model/<name> -> (logical shape, dtype name)`` of every model entry a checkpoint holds
         (parameters and persistent buffers, tied names once): recorded at save, checked at load
