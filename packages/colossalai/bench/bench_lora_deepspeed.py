@@ -2,13 +2,16 @@
 
 A Hugging Face GPT-2 (random weights from a ``GPT2Config``) with a ``peft`` LoRA adapter on every
 attention and MLP projection trains with AdamW (torch's, the same object in every configuration)
-on 2 ranks, fp32, the same batches everywhere:
+on 2 ranks, fp32, with activation checkpointing (``--no-checkpointing`` to turn it off), the same
+batches everywhere:
 
 - ``deepspeed-zero3``: ``deepspeed.initialize`` with ``zero_optimization.stage = 3`` (the peer; on
   this machine its CPU accelerator over gloo),
 - ``colossal-zero3``: ``Booster(ZeroPlugin(stage=3))`` after ``Booster.enable_lora``,
-- ``colossal-gemini``: ``Booster(GeminiPlugin(placement="auto"))`` with a device budget below the
-  frozen base (the base streams between tiers every step).
+- ``colossal-gemini``: ``Booster(GeminiPlugin(placement="auto"))`` with a device budget of 48 MiB per
+  rank, under half of the frozen base's shard (the base streams between tiers every step; a budget
+  holds the gathered chunks of the operators in flight and the activations, which do not shrink
+  with the number of ranks).
 
 Each configuration runs in fresh processes (``run_distributed``). Memory is each rank's resident set
 on a CPU machine (the allocator's bytes on CUDA): ``after setup`` is what the engine keeps once the
@@ -76,6 +79,8 @@ def _model(args):
     )  # fmt: skip
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel(config)
+    if args.checkpointing:  # every configuration alike: the activations of one block at a time
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, fan_in_fan_out=True)
     return base, lora
 
@@ -129,6 +134,7 @@ def _colossal(args, base, lora, plugin):
 def _run(config: str, args) -> dict:
     from colossalai import GeminiPlugin, ZeroPlugin
 
+    gemini = None
     if config.startswith("deepspeed"):
         import deepspeed  # noqa: F401 (imported before the baseline: its own import is not the engine's memory)
     gc.collect()
@@ -140,8 +146,8 @@ def _run(config: str, args) -> dict:
     elif config == "colossal-zero3":
         step, device = _colossal(args, base, lora, ZeroPlugin(stage=3))
     else:
-        budget = int(args.budget_fraction * frozen / dist.get_world_size())
-        step, device = _colossal(args, base, lora, GeminiPlugin(placement="auto", device_memory_budget=budget))
+        gemini = GeminiPlugin(placement="auto", device_memory_budget=args.gemini_budget, chunk_size=args.chunk_size)
+        step, device = _colossal(args, base, lora, gemini)
     del base
     gc.collect()
     after_setup = _rss() - baseline
@@ -153,20 +159,35 @@ def _run(config: str, args) -> dict:
         t0 = time.perf_counter()
         losses.append(step(x).item())
         times.append(time.perf_counter() - t0)
-    return {"after_setup": after_setup, "step_peak": _peak() - baseline, "s_per_step": statistics.median(times),
-            "losses": losses, "frozen": frozen}  # fmt: skip
+    device_peak = max(s.peak_device_bytes for s in gemini.model.stats_history) if gemini is not None else None
+    return {
+        "device_peak": device_peak,
+        "after_setup": after_setup,
+        "step_peak": _peak() - baseline,
+        "s_per_step": statistics.median(times),
+        "losses": losses,
+        "frozen": frozen,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--budget-fraction", type=float, default=0.5, help="Gemini device budget / base per rank")
+    parser.add_argument(
+        "--gemini-budget",
+        default="48MiB",
+        help="Gemini device budget per rank (default 48MiB: under half the base's shard)",
+    )
+    parser.add_argument("--chunk-size", type=int, default=1 << 20, help="Gemini chunk elements (the embedding's)")
+    parser.add_argument(
+        "--checkpointing", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing"
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
@@ -179,8 +200,10 @@ def main() -> None:
         ranks = run_distributed(rank_or_error, 2, _run, config, args, timeout=900)
         results[config] = ranks
     mib = 2**20
-    print(f"GPT-2 {args.layers} x {args.hidden}, vocab {args.vocab}, LoRA r={args.rank} on {TARGETS}, 2 ranks, "
-          f"{args.batch} x {args.seq} tokens per rank, fp32; {load_note()}")  # fmt: skip
+    shape = f"GPT-2 {args.layers} x {args.hidden}, vocab {args.vocab}, LoRA r={args.rank} on {TARGETS}, 2 ranks"
+    print(
+        f"{shape}, {args.batch} x {args.seq} tokens per rank, fp32, checkpointing {args.checkpointing}; {load_note()}"
+    )
     ref = results.get("deepspeed-zero3", [{}])[0]
     for config, ranks in results.items():
         if "error" in ranks[0]:
@@ -194,6 +217,8 @@ def main() -> None:
             rsec = max(r["s_per_step"] for r in results["deepspeed-zero3"])
             rpeak = max(r["step_peak"] for r in results["deepspeed-zero3"])
             row += f"  peak x{peak / rpeak:.2f}  speed x{rsec / sec:.2f} vs deepspeed"
+        if ranks[0]["device_peak"] is not None:
+            row += f"  device peak {max(r['device_peak'] for r in ranks) / mib:.1f} MiB (budget {args.gemini_budget})"
         print(row + "  losses " + " ".join(f"{v:.4f}" for v in ranks[0]["losses"]))
     write_json("bench_lora_deepspeed", {"args": vars(args), "results": results})
 

@@ -15,6 +15,7 @@ peft = pytest.importorskip("peft")
 
 from test_colossalai_cli import TRAIN, _cli, _losses  # noqa: E402
 
+from colossalai.data import CorpusTokenizer  # noqa: E402
 from colossalai.models import model_family  # noqa: E402
 
 CORPUS = "def greet(name):\n    return 'hello ' + name\n\n" * 300
@@ -34,7 +35,11 @@ def _runs(root):
     (root / "corpus" / "greet.py").write_text(CORPUS)
     (root / "corpus" / "blob.bin").write_bytes(bytes(range(256)) * 4)  # not text: left out
     _cli(*TRAIN, "--steps", "4", "--save-dir", str(root / "base"), "--export", str(root / "exp"))
-    out = {}
+    hf_gpt2().save_pretrained(root / "hf")  # a Hugging Face folder with a byte-level BPE tokenizer.json
+    CorpusTokenizer.train(CORPUS.encode(), 300).save_hf(root / "hf")
+    hf_out = ["--adapter-out", str(root / "ad-hf"), "--merge-out", str(root / "merged-hf")]
+    out = {"hf": _cli(*FINETUNE, "--plugin", "ddp", "--base", str(root / "hf"), "--corpus", str(root / "corpus"),
+                      "--steps", "3", *hf_out)}  # fmt: skip
     for name, plugin in (("gemini", ["--plugin", "gemini", "--device-budget", "3MiB"]), ("zero3", ["--plugin",
                          "zero", "--zero-stage", "3"])):  # fmt: skip
         src = root / ("base" if name == "gemini" else "exp")  # a checkpoint, an export folder
@@ -42,6 +47,29 @@ def _runs(root):
                          "--steps", "3", "--adapter-out", str(root / f"ad-{name}"), "--merge-out",
                          str(root / f"merged-{name}"), "--save-dir", str(root / f"ft-{name}"))  # fmt: skip
     return root, out
+
+
+def hf_gpt2():
+    import transformers
+
+    torch.manual_seed(2)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=32, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_a_hugging_face_folder_fine_tunes_and_merges_as_peft_merges(runs):
+    import transformers
+
+    root, out = runs
+    assert "Hugging Face gpt2" in out["hf"] and "on c_attn, c_fc, c_proj" in out["hf"]  # every linear layer
+    base = transformers.GPT2LMHeadModel.from_pretrained(root / "hf")
+    lora = peft.PeftModel.from_pretrained(base, root / "ad-hf")
+    assert all(p.abs().sum() > 0 for n, p in lora.named_parameters() if "lora_B" in n)
+    merged = transformers.GPT2LMHeadModel.from_pretrained(root / "merged-hf")
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(merged(x).logits, lora(x).logits, rtol=1e-5, atol=1e-5)
+    assert (root / "merged-hf" / "tokenizer.json").is_file() and (root / "merged-hf" / "config.json").is_file()
 
 
 def _gpt_tiny():

@@ -460,6 +460,9 @@ class Booster:
         if world_rank() == 0:
             merged = lora.merged_state_dict(user, full)
             save_pretrained(merged, folder, max_shard_size=max_shard_size, config=config, tied=aliases(base))
+            generation = getattr(base, "generation_config", None)
+            if generation is not None and hasattr(generation, "save_pretrained"):
+                generation.save_pretrained(str(folder))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return pathlib.Path(folder)

@@ -1,6 +1,7 @@
 """``colossalai finetune``: LoRA fine-tuning of a model that ``colossalai train`` wrote (a checkpoint
-or an ``--export`` folder) on a corpus of the user's choosing, with ``train``'s progress, memory
-and summary, the adapter saved in PEFT's layout and, optionally, merged into a full folder.
+or an ``--export`` folder) or of a Hugging Face causal LM folder, on a corpus of the user's choosing,
+with ``train``'s progress, memory and summary, the adapter saved in PEFT's layout and, optionally,
+merged into a full folder.
 
 [Note: what finetune reuses]
 ``finetune`` is ``train`` with the model taken from ``--base`` instead of built fresh: the family,
@@ -11,6 +12,12 @@ weights load into the adapted model in place ([Note: a base checkpoint into a Lo
 ``colossalai.booster.lora``): every rank reads its own slices, so a base larger than one process
 never is whole anywhere. Everything else (plugins, progress, checkpoints and exact resume of the
 fine-tuning run, profiling, TensorBoard, the sample) is ``train``'s own code.
+
+A Hugging Face folder (``config.json``, safetensors weights, a ``tokenizer.json``) is built with
+``AutoModelForCausalLM.from_config`` and loaded the same way (``Booster.load_pretrained``). Its
+tokenizer must be a byte-level BPE (GPT-2's kind, which :class:`~colossalai.data.CorpusTokenizer`
+reads: GPT-2, GPT-NeoX, Llama 3, Qwen and ``train --export`` folders use one); the adapter goes on
+every linear layer but the output head (``peft``'s ``"all-linear"``) unless ``--lora-targets`` says.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ __all__ = [
     "default_targets",
     "lora_config",
     "write_model_card",
+    "build_hf",
+    "copy_tokenizer_files",
     "frozen_bytes_per_tier",
 ]
 
@@ -57,15 +66,20 @@ class BaseModel:
     path: pathlib.Path
     """The resolved checkpoint folder, or the export folder."""
     kind: str
-    """``"checkpoint"`` (``colossalai train --save-dir``) or ``"folder"`` (``--export``)."""
+    """``"checkpoint"`` (``colossalai train --save-dir``), ``"folder"`` (``--export``) or ``"hf"``
+    (a Hugging Face folder)."""
     model: str
-    """Model family (``--model`` of the base run)."""
+    """Model family (``--model`` of the base run); ``"hf"`` for a Hugging Face folder."""
     preset: str
-    """Preset of the family."""
+    """Preset of the family; the ``model_type`` of a Hugging Face folder."""
     block_size: int
     """Positions of the base model (its ``--seq-len``): fine-tuning windows may not be longer."""
     tokenizer: CorpusTokenizer
     """The base run's tokenizer (the fine-tuning corpus is encoded with it)."""
+    hf_config: object = None
+    """The ``transformers`` config of a Hugging Face folder (None otherwise)."""
+    num_parameters: int = 0
+    """Parameters of a Hugging Face folder's model (from its safetensors headers; 0 otherwise)."""
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,7 +88,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     from colossalai.cli.train_args import add_train_arguments
 
     p.add_argument(
-        "--base", required=True, help="model to fine-tune: a colossalai train checkpoint (or root) or --export folder"
+        "--base",
+        required=True,
+        help="model to fine-tune: a colossalai train checkpoint (or root), --export folder or Hugging Face folder",
     )
     p.add_argument("--lora-rank", type=int, default=LORA_RANK, help=f"LoRA rank r (default {LORA_RANK})")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x --lora-rank)")
@@ -102,7 +118,8 @@ def _card(folder: pathlib.Path) -> dict | None:
 
 def read_base(path: str | pathlib.Path) -> BaseModel:
     """What ``--base`` holds: a ``colossalai train`` checkpoint (a step folder, or a root with
-    ``latest``) or an ``--export`` / ``--merge-out`` folder with its :data:`MODEL_CARD`.
+    ``latest``), an ``--export`` / ``--merge-out`` folder with its :data:`MODEL_CARD`, or a Hugging
+    Face causal LM folder (``config.json``).
     ValueError naming the path and what it holds otherwise."""
     from colossalai.checkpoint import RUN_FILE, load_run_file, resolve_checkpoint
     from colossalai.cli.train_args import seq_len_of
@@ -110,8 +127,12 @@ def read_base(path: str | pathlib.Path) -> BaseModel:
 
     path = pathlib.Path(path)
     if not path.is_dir():
-        raise ValueError(f"--base {path}: no such folder (a colossalai train checkpoint or --export folder)")
+        raise ValueError(
+            f"--base {path}: no such folder (a colossalai train checkpoint, --export folder or Hugging Face folder)"
+        )
     card = _card(path)
+    if card is None and (path / "config.json").is_file():
+        return _hf_base(path)
     if card is not None:
         tokenizer = CorpusTokenizer.from_json(card["tokenizer"])
         return BaseModel(path, "folder", card["model"], card["preset"], int(card["block_size"]), tokenizer)
@@ -122,8 +143,8 @@ def read_base(path: str | pathlib.Path) -> BaseModel:
     if not (ckpt / RUN_FILE).is_file():
         found = sorted(p.name for p in path.iterdir())[:12]
         raise ValueError(
-            f"--base {path} is neither a colossalai train checkpoint ({RUN_FILE}) nor an export folder "
-            f"({MODEL_CARD}); it holds {found}"
+            f"--base {path} is neither a colossalai train checkpoint ({RUN_FILE}), an export folder "
+            f"({MODEL_CARD}) nor a Hugging Face folder (config.json); it holds {found}"
         )
     extra = load_run_file(ckpt)["run"].get("extra", {})
     run = extra.get("args", {})
@@ -137,6 +158,57 @@ def read_base(path: str | pathlib.Path) -> BaseModel:
     if run.get("base"):  # a fine-tuning run's own checkpoint: its base's block size
         block = read_base(run["base"]).block_size
     return BaseModel(ckpt, "checkpoint", run["model"], preset, block, tokenizer)
+
+
+def _hf_base(path: pathlib.Path) -> BaseModel:
+    """A Hugging Face causal LM folder as a base: its config, its byte-level BPE tokenizer, its size."""
+    import math
+
+    import transformers
+
+    from colossalai.checkpoint.hf import _files, _header
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--base {path}: config.json is not a transformers config: {exc}") from None
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"--base {path}: a Hugging Face folder needs its tokenizer.json (a byte-level BPE)")
+    try:
+        tokenizer = CorpusTokenizer(config.vocab_size, tokenizer_file.read_text(encoding="utf-8"))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"--base {path}: tokenizer.json is not a byte-level BPE of at most {config.vocab_size} ids "
+            f"(GPT-2's kind; a SentencePiece tokenizer is not read yet): {exc!r}"
+        ) from None
+    block = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not block:
+        raise ValueError(f"--base {path}: its config gives no positions (n_positions / max_position_embeddings)")
+    files = _files(path)
+    headers = {n: h for f in sorted(set(files.values())) for n, h in _header(path / f).items()}
+    n = sum(math.prod(shape) for shape, _ in headers.values())
+    return BaseModel(path, "hf", "hf", config.model_type, int(block), tokenizer, config, n)
+
+
+def build_hf(base: BaseModel, activation_checkpointing: bool) -> nn.Module:
+    """The Hugging Face base's model from its config (random weights: ``load_pretrained`` after boost)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(base.hf_config)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def copy_tokenizer_files(base: BaseModel, folder) -> None:
+    """The tokenizer files of a Hugging Face base into ``folder`` (next to its merged weights)."""
+    import shutil
+
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+    for name in names:
+        if (base.path / name).is_file():
+            shutil.copy2(base.path / name, pathlib.Path(folder) / name)
 
 
 def apply_base(args: argparse.Namespace) -> BaseModel:
@@ -174,7 +246,12 @@ def lora_config(args: argparse.Namespace, model: nn.Module):
     alpha = 2 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     if not alpha > 0:
         raise ValueError(f"--lora-alpha must be > 0, got {alpha}")
-    targets = [t for t in args.lora_targets.split(",") if t] if args.lora_targets else default_targets(model)
+    if args.lora_targets:
+        targets = [t for t in args.lora_targets.split(",") if t]
+    elif hasattr(getattr(model, "config", None), "model_type"):  # transformers: peft resolves it
+        targets = "all-linear"
+    else:
+        targets = default_targets(model)
     return peft.LoraConfig(r=args.lora_rank, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets)
 
 

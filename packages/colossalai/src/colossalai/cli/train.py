@@ -39,6 +39,10 @@ def _device_budget(args: argparse.Namespace) -> int:
     if given is not None:
         return given
     world = int(os.environ.get("WORLD_SIZE", args.nproc))  # Gemini shards the states over every rank
+    if args.model == "hf":  # finetune of a Hugging Face folder: its size from the weights' headers
+        from colossalai.cli.finetune import read_base
+
+        return headline.default_device_budget(read_base(args.base).num_parameters, args.precision, world)
     family = model_family(args.model)
     preset = family.preset(args.preset)
     seq_len = seq_len_of(args, family.config(preset).block_size)
@@ -164,16 +168,22 @@ def _setup(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     base = finetune.apply_base(args) if finetuning(args) else None
     corpus = _corpus(args)  # read once: the tokenizer learns from it, the windows cut it
-    tokenizer = base.tokenizer if base is not None and not args.resume else _tokenizer(args, corpus)
-    family = model_family(args.model)
-    seq_len = seq_len_of(args, family.config(family.preset(args.preset)).block_size)
+    tokenizer = base.tokenizer if base is not None else _tokenizer(args, corpus)
+    if base is not None:
+        seq_len = args.seq_len  # apply_base set it
+    else:
+        family = model_family(args.model)
+        seq_len = seq_len_of(args, family.config(family.preset(args.preset)).block_size)
     booster = Booster(plugin=_plugin(args), mixed_precision=args.precision)
     dp = booster.plugin.dp_size()
     if args.batch_size % dp:
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by the data-parallel size {dp}")
     counts = None
     if base is not None:  # [Note: what finetune reuses]
-        model = _build(args, base.block_size, tokenizer.vocab_size)
+        if base.kind == "hf":
+            model = finetune.build_hf(base, _activation_checkpointing(args))
+        else:
+            model = _build(args, base.block_size, tokenizer.vocab_size)
         model = booster.enable_lora(model, finetune.lora_config(args, model))
         counts = _counts(model)
     else:
@@ -189,7 +199,7 @@ def _setup(args: argparse.Namespace):
         state = booster.load_run(args.resume, model, optim, sched, dataloader=loader)
     elif base is not None and base.kind == "checkpoint":  # the base weights into the adapted layers
         booster.load_model(model, base.path)
-    elif base is not None:
+    elif base is not None:  # an export folder, a Hugging Face folder
         booster.load_pretrained(model, base.path)
     setup = (booster, model, optim, loader, sched, state, seq_len, tokenizer, corpus.numel() / data.tokens.numel())
     return (*setup, base, counts)
@@ -357,14 +367,25 @@ def _sample(
     parallelism needs windows whose length is a multiple of ``seq_multiple``. ``temperature`` 0
     is greedy decoding, ``top_k`` 0 samples from every token.
     """
+    from colossalai.models.gpt import sample_tokens
+
     gpt = model.unwrap()
     gpt.eval()
     prompt = tokenizer.encode("def").view(1, -1).repeat(rows, 1).to(model.device)  # (rows, T0)
     gen = torch.Generator().manual_seed(seed)
-    forward = _padded_forward(model, seq_multiple, gpt.config.block_size) if seq_multiple > 1 else model
+    config = gpt.config
+    block = getattr(config, "block_size", None) or getattr(config, "n_positions", None)
+    block = block or config.max_position_embeddings  # a Hugging Face model (finetune)
+    forward = _padded_forward(model, seq_multiple, block) if seq_multiple > 1 else model
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        result = forward(ids)
+        return getattr(result, "logits", result)  # a transformers ModelOutput
+
     with torch.no_grad():
         top_k = top_k or None  # 0: every token
-        out = gpt.generate(prompt, n_tokens, temperature=temperature, top_k=top_k, generator=gen, forward=forward)
+        kw = dict(temperature=temperature, top_k=top_k, generator=gen)
+        out = sample_tokens(logits, prompt, n_tokens, block, **kw)
     gpt.train()
     return tokenizer.decode(out[0].cpu())
 
@@ -378,7 +399,10 @@ def _loss_row(first: float | None, last: float | None, tokenizer: CorpusTokenize
 
 
 def _model_name(args: argparse.Namespace) -> str:
-    """'GPT tiny', 'PaLM palm-tiny': the family and preset of ``--model`` / ``--preset``."""
+    """'GPT tiny', 'PaLM palm-tiny': the family and preset of ``--model`` / ``--preset`` ('Hugging
+    Face gpt2' for a ``finetune`` of a Hugging Face folder)."""
+    if args.model == "hf":
+        return f"Hugging Face {args.preset}"
     family = model_family(args.model)
     return f"{family.label} {family.preset(args.preset)}"
 
@@ -399,6 +423,11 @@ def _headline(args, booster: Booster, rows: dict[str, str], meters: Meters, coun
     return headline.headline(states, engine.manager.device.budget, engine.manager.device.kind)
 
 
+def _num_parameters(model, counts: tuple[int, int] | None) -> int:
+    """Parameters of the model: a LoRA model's frozen and trainable ones, else its config's count."""
+    return sum(counts) if counts is not None else model.unwrap().config.num_parameters()
+
+
 def _finetune_rows(args, booster: Booster, model, base, counts: tuple[int, int]) -> dict[str, str]:
     """``finetune``'s summary rows: the base, the adapter (trainable share), the frozen bytes per
     tier, and where the adapter and the merged model went."""
@@ -407,7 +436,8 @@ def _finetune_rows(args, booster: Booster, model, base, counts: tuple[int, int])
     frozen, trainable = counts
     total = frozen + trainable
     config = model.unwrap().active_peft_config
-    targets = ", ".join(sorted(config.target_modules))
+    names = config.target_modules  # peft resolves "all-linear" to the full names of the layers
+    targets = names if isinstance(names, str) else ", ".join(sorted({t.rsplit(".", 1)[-1] for t in names}))
     tiers = frozen_bytes_per_tier(booster.plugin, frozen, args.precision)
     return {
         "base": f"{base.path} ({base.kind})",
@@ -425,7 +455,7 @@ def _write_outputs(args, booster: Booster, model, tokenizer: CorpusTokenizer, ba
     from colossalai.cli.finetune import write_model_card
 
     block = base.block_size if base is not None else model.unwrap().config.block_size
-    preset = model_family(args.model).preset(args.preset)
+    preset = args.preset if args.model == "hf" else model_family(args.model).preset(args.preset)
     if args.export:
         booster.export_safetensors(model, args.export)
         if rank == 0:
@@ -435,8 +465,12 @@ def _write_outputs(args, booster: Booster, model, tokenizer: CorpusTokenizer, ba
         if rank == 0:
             tokenizer.save_hf(args.adapter_out)
     if base is not None and args.merge_out:
-        booster.save_merged_as_pretrained(model, args.merge_out)
-        if rank == 0:
+        booster.save_merged_as_pretrained(model, args.merge_out)  # a Hugging Face base: with its config.json
+        if rank == 0 and base.kind == "hf":
+            from colossalai.cli.finetune import copy_tokenizer_files
+
+            copy_tokenizer_files(base, args.merge_out)
+        elif rank == 0:
             write_model_card(args.merge_out, args.model, preset, block, tokenizer)
 
 
@@ -473,7 +507,7 @@ def train(args: argparse.Namespace) -> dict:
         )
     rows = {
         "plugin": f"{args.plugin} x {info.world_size} process(es), {args.precision}",
-        "model": f"{_model_name(args)}: {model.unwrap().config.num_parameters():,} parameters",
+        "model": f"{_model_name(args)}: {_num_parameters(model, counts):,} parameters",
         "tokens": f"{tokenizer.kind}, {tokenizer.vocab_size} ids, {bytes_per_token:.2f} bytes/token",
         "steps": f"{start} -> {state.step}",
         "loss": _loss_row(first, last, tokenizer, bytes_per_token),
@@ -489,7 +523,6 @@ def train(args: argparse.Namespace) -> dict:
         first_step, last_step = start + skip + 1, start + skip + active
         rows["profile"] = f"{args.profile} (steps {first_step}-{last_step}; colossal-profiler summarize)"
     if base is not None:
-        rows["model"] = f"{_model_name(args)}: {counts[0] + counts[1]:,} parameters"
         rows.update(_finetune_rows(args, booster, model, base, counts))
     line = _headline(args, booster, rows, meters, counts)
     if info.rank == 0:

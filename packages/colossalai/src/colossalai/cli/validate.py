@@ -307,10 +307,18 @@ def validate_finetune(args: argparse.Namespace, world: int | None = None) -> lis
     if not 0 <= args.lora_dropout < 1:
         raise UsageError(f"--lora-dropout must lie in [0, 1), got {args.lora_dropout}")
     try:
-        apply_base(args)
+        base = apply_base(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return validate_train(args, world)
+    if base.kind != "hf":
+        return validate_train(args, world)
+    _check_ranges(args)  # a Hugging Face model: everything but the built-in families' shape rules
+    _check_paths(args)
+    _check_plugin_flags(args)
+    plugin = _build_plugin(args)
+    _data_parallel(args, plugin, args.nproc if world is None else world)
+    _check_corpus(args, args.seq_len)
+    return _check_processes(args.nproc)
 
 
 def validate_run(args: argparse.Namespace) -> list[str]:

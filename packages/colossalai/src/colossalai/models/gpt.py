@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP"]
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "sample_tokens"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -230,24 +230,42 @@ class GPT(nn.Module):
         of this model that returns full logits; with the same ``generator`` seed on every rank,
         every rank then samples the same tokens.
         """
-        forward = forward or self
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        for _ in range(max_new_tokens):
-            window = idx[:, -self.config.block_size :]  # (B, <=T)
-            logits = forward(window)[:, -1, :].float()  # (B, V)
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                if generator is not None:  # sample where the generator lives (e.g. a CPU one for a CUDA model)
-                    probs = probs.to(generator.device)
-                nxt = torch.multinomial(probs, 1, generator=generator).to(idx.device)  # (B, 1)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+        return sample_tokens(
+            forward or self, idx, max_new_tokens, self.config.block_size,
+            temperature=temperature, top_k=top_k, generator=generator,
+        )  # fmt: skip
+
+
+def sample_tokens(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    block_size: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample ``max_new_tokens`` tokens after ``idx`` (B, T0) from ``forward`` (ids (B, T) ->
+    logits (B, T, V), T at most ``block_size``); returns (B, T0 + max_new_tokens). See
+    :meth:`GPT.generate` (which calls it) for ``temperature``, ``top_k`` and ``generator``."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    for _ in range(max_new_tokens):
+        window = idx[:, -block_size:]  # (B, <=T)
+        logits = forward(window)[:, -1, :].float()  # (B, V)
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            if generator is not None:  # sample where the generator lives (e.g. a CPU one for a CUDA model)
+                probs = probs.to(generator.device)
+            nxt = torch.multinomial(probs, 1, generator=generator).to(idx.device)  # (B, 1)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
