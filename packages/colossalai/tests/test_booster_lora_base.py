@@ -9,6 +9,7 @@ a Hugging Face folder (``load_pretrained``) or a sharded checkpoint of a run wit
 """
 
 import pytest
+import safetensors
 import torch
 import torch.distributed as dist
 
@@ -63,6 +64,13 @@ def _runs(root):
         booster.load_model(model, root / "base-dcp")
         booster.load_lora(model, root / "adapter-gpt2")
         out[f"{name}-dcp"] = logits_of(model, x)
+    # An embedding as a LoRA target: peft saves its base weight with the adapter, both ways.
+    booster = Booster(plugin=ZeroPlugin(stage=3))
+    model = booster.enable_lora(pretrained("llama"), emb_config())
+    model, *_ = booster.boost(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    out["emb-found"] = booster.load_lora(model, root / "adapter-emb")  # strict: the embedding is expected
+    out["emb"] = logits_of(model, x)
+    booster.save_lora_as_pretrained(model, root / "saved-emb")
     # modules_to_save: the trained copy of lm_head is filled from the base's lm_head too.
     booster, model = _boosted("zero3", "llama", modules_to_save=["lm_head"])
     booster.load_pretrained(model, root / "hf-llama")
@@ -85,8 +93,29 @@ def results(tmp_path_factory):
     transformers.LlamaForCausalLM(cfg).save_pretrained(root / "hf-wrong")
     ref = peft.get_peft_model(pretrained("gpt2"), lora_config("gpt2", init_lora_weights=False))
     ref.save_pretrained(root / "adapter-gpt2")
+    emb = peft.get_peft_model(pretrained("llama"), emb_config())
+    emb.save_pretrained(root / "adapter-emb")  # with save_embedding_layers="auto": the embedding too
     out = run_distributed(_runs, 2, root, timeout=240)[0]
     return root, out, ref
+
+
+def emb_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False)
+
+
+def test_an_adapted_embedding_travels_with_the_adapter_as_peft_saves_it(results):
+    root, out, _ = results
+    keys = [sorted(safetensors.safe_open(str(root / f / "adapter_model.safetensors"), "pt").keys())
+            for f in ("adapter-emb", "saved-emb")]  # fmt: skip
+    assert "base_model.model.model.embed_tokens.base_layer.weight" in keys[0]
+    assert keys[0] == keys[1]  # the Booster writes what plain peft writes
+    assert not out["emb-found"]
+    plain = peft.PeftModel.from_pretrained(pretrained("llama"), root / "adapter-emb")
+    torch.testing.assert_close(out["emb"], logits_of(plain, batch(0)), rtol=1e-5, atol=1e-6)
+    damaged = pretrained("llama")
+    damaged.model.embed_tokens.weight.data.zero_()
+    again = peft.PeftModel.from_pretrained(damaged, root / "saved-emb")  # the embedding comes along
+    torch.testing.assert_close(logits_of(again, batch(0)), out["emb"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("plugin_name", list(PLUGINS))

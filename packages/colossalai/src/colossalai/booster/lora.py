@@ -150,7 +150,7 @@ def _check_ranks(model, adapter: str) -> None:
 
 def _check_frozen(model) -> None:
     state = model.state_dict(keep_vars=True)  # the parameters themselves: identity tells them apart
-    adapter = set(adapter_keys(model, state))
+    adapter = set(adapter_keys(model, state)) - set(_adapted_embeddings(model))  # embeddings stay frozen
     stray = [n for n, p in model.named_parameters() if p.requires_grad and n not in adapter]
     if stray:
         raise ValueError(
@@ -181,8 +181,24 @@ def adapter_keys(model, state: dict[str, torch.Tensor]) -> dict[str, str]:
     )
     name_of = {id(t): n for n, t in state.items()}
     keys = {name_of[id(t)]: key for key, t in picked.items()}
+    keys.update({n: n for n in _adapted_embeddings(model) if n in state})
     _KEYS[model] = (model.active_adapter, keys)
     return keys
+
+
+def _adapted_embeddings(model) -> list[str]:
+    """Names of the base weights of the embedding layers the active adapter adapts: ``peft``'s
+    ``save_embedding_layers="auto"`` saves them whole with the adapter (under these names) when an
+    embedding is a LoRA target, so a folder holds the embedding its ``lora_embedding_*`` belong to.
+    (Its other trigger, a vocabulary resized since the hub's config, asks the hub: not followed.)"""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    return [
+        f"{name}.base_layer.weight"
+        for name, layer in model.named_modules()
+        if isinstance(layer, LoraLayer) and adapter in layer.lora_embedding_A
+    ]
 
 
 def save_adapter(model, full: dict[str, torch.Tensor], folder) -> pathlib.Path:
@@ -356,7 +372,7 @@ def base_entry_names(user, entries: dict) -> tuple[dict[str, str], set[str]]:
     names, adapter = {}, set()
     for key in entries:
         name = key.removeprefix("model/")
-        if name in own and ".modules_to_save." not in name:
+        if name in own and ".lora_" in name:  # the adapter's own (not a modules_to_save copy, an embedding)
             adapter.add(key)
         else:
             names[key] = "model/" + _WRAPPERS.sub("", name.removeprefix(_PEFT_PREFIX))
