@@ -100,6 +100,20 @@ class MoEAuxLoss:
         return loss if aux is None else loss + aux.to(loss.dtype)
 
 
+def _pretrained_config(owner: nn.Module, config):
+    """``config``, or ``owner``'s own ``config`` when that is a ``transformers`` one (a user's model
+    may have another kind: the folder then has no ``config.json``); TypeError for a given config
+    without ``save_pretrained``."""
+    if config is None:
+        config = getattr(owner, "config", None)
+        return config if hasattr(config, "save_pretrained") else None
+    if not hasattr(config, "save_pretrained"):
+        raise TypeError(
+            f"config must have save_pretrained (a transformers PretrainedConfig), got {type(config).__name__}"
+        )
+    return config
+
+
 class Booster:
     """Applies a plugin (parallel layout) and a mixed-precision mode to a training setup.
 
@@ -239,12 +253,13 @@ class Booster:
         """
         self._arrive("load_model")
         path = resolve_checkpoint(path)
+        reader = None
         if lora.is_peft_model(self.plugin.unwrap(model.module)):  # [Note: a base checkpoint into a LoRA model]
             with quiet_single_process():
                 reader = open_checkpoint(path)
                 if lora.holds_base_names(reader.entries()):
                     return lora.load_base(self.plugin, model.module, reader, strict=strict)
-        return load_sharded(path, self.plugin, model.module, strict=strict)
+        return load_sharded(path, self.plugin, model.module, strict=strict, reader=reader)
 
     def save_optimizer(self, optimizer: BoostedOptimizer, root: str | os.PathLike, name: str = "optimizer"):
         """Sharded, crash-safe model + optimizer checkpoint (optimizer state is keyed by parameter
@@ -375,20 +390,22 @@ class Booster:
         """Write the boosted model as a folder that ``transformers``' ``from_pretrained`` loads
         (``model.safetensors``, or shards of at most ``max_shard_size`` plus the index, and
         ``config.json``). ``config``: what to write as ``config.json`` (default: the model's
-        ``config`` when it has one, as a ``transformers`` model does). Tied weights are written
+        ``config`` when it is a ``transformers`` one; none is written otherwise). Tied weights are written
         once, under their first name, as ``transformers`` writes them. The model is gathered
         (rank 0 writes). Collective: every rank calls it."""
         parse_shard_size(max_shard_size)  # bad input raises on every rank, before the gather
         self._arrive("save_pretrained")
         user = self.plugin.unwrap(model.module)
-        config = config if config is not None else getattr(user, "config", None)
-        if config is not None and not hasattr(config, "save_pretrained"):
-            kind = type(config).__name__
-            raise TypeError(f"config must have save_pretrained (a transformers PretrainedConfig), got {kind}")
+        config = _pretrained_config(user, config)
         full = self.plugin.full_model_state_dict(model.module)
+        return self._write_pretrained(full, folder, user, config, max_shard_size)
+
+    def _write_pretrained(self, state: dict, folder, owner: nn.Module, config, max_shard_size) -> pathlib.Path:
+        """Rank 0 writes ``state`` as a ``save_pretrained`` folder (tied names of ``owner`` once, its
+        generation config when it has one); every rank meets after."""
         if world_rank() == 0:
-            save_pretrained(full, folder, max_shard_size=max_shard_size, config=config, tied=aliases(user))
-            generation = getattr(user, "generation_config", None)
+            save_pretrained(state, folder, max_shard_size=max_shard_size, config=config, tied=aliases(owner))
+            generation = getattr(owner, "generation_config", None)
             if generation is not None and hasattr(generation, "save_pretrained"):
                 generation.save_pretrained(str(folder))
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -450,22 +467,10 @@ class Booster:
         user = self.plugin.unwrap(model.module)
         lora.check_peft_model(user)
         base = user.get_base_model()
-        if config is None:  # the base's own config when it is a transformers one (a user's model may have another)
-            config = getattr(base, "config", None)
-            config = config if hasattr(config, "save_pretrained") else None
-        if config is not None and not hasattr(config, "save_pretrained"):
-            kind = type(config).__name__
-            raise TypeError(f"config must have save_pretrained (a transformers PretrainedConfig), got {kind}")
+        config = _pretrained_config(base, config)
         full = self.plugin.full_model_state_dict(model.module)
-        if world_rank() == 0:
-            merged = lora.merged_state_dict(user, full)
-            save_pretrained(merged, folder, max_shard_size=max_shard_size, config=config, tied=aliases(base))
-            generation = getattr(base, "generation_config", None)
-            if generation is not None and hasattr(generation, "save_pretrained"):
-                generation.save_pretrained(str(folder))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-        return pathlib.Path(folder)
+        merged = lora.merged_state_dict(user, full) if world_rank() == 0 else {}
+        return self._write_pretrained(merged, folder, base, config, max_shard_size)
 
     def load_lora(self, model: BoostedModel, folder: str | os.PathLike, *, strict: bool = True) -> IncompatibleEntries:
         """Load an adapter folder (written by ``peft``'s ``save_pretrained`` or by

@@ -66,12 +66,13 @@ def open_checkpoint(folder: str | os.PathLike) -> SliceReader:
 
 
 def load_sharded(
-    folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None, *, strict: bool = True
+    folder: str | os.PathLike, plugin, model: nn.Module, optimizer=None, *, strict: bool = True, reader=None
 ) -> IncompatibleEntries:
     """Read ``folder/dcp`` into the model (and optimizer), resharding to the current layout, after
-    the strict check (:func:`check_fits`); returns the entries a non-strict load skipped. Collective."""
+    the strict check (:func:`check_fits`); returns the entries a non-strict load skipped. ``reader``:
+    the folder's :func:`open_checkpoint` when the caller opened it already. Collective."""
     with torch.profiler.record_function("colossalai.checkpoint::load_sharded"), quiet_single_process():
-        reader = open_checkpoint(folder)
+        reader = reader if reader is not None else open_checkpoint(folder)
         found = check_fits(reader, plugin, model, optimizer, strict=strict)
         plugin.load_checkpoint_pieces(model, optimizer, reader)
     return found

@@ -162,11 +162,9 @@ def read_base(path: str | pathlib.Path) -> BaseModel:
 
 def _hf_base(path: pathlib.Path) -> BaseModel:
     """A Hugging Face causal LM folder as a base: its config, its byte-level BPE tokenizer, its size."""
-    import math
-
     import transformers
 
-    from colossalai.checkpoint.hf import _files, _header
+    from colossalai.checkpoint import SafetensorsReader
 
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
@@ -185,9 +183,7 @@ def _hf_base(path: pathlib.Path) -> BaseModel:
     block = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if not block:
         raise ValueError(f"--base {path}: its config gives no positions (n_positions / max_position_embeddings)")
-    files = _files(path)
-    headers = {n: h for f in sorted(set(files.values())) for n, h in _header(path / f).items()}
-    n = sum(math.prod(shape) for shape, _ in headers.values())
+    n = sum(SafetensorsReader(path).held().values())  # elements per tensor, from the headers
     return BaseModel(path, "hf", "hf", config.model_type, int(block), tokenizer, config, n)
 
 
@@ -277,8 +273,9 @@ def frozen_bytes_per_tier(plugin, frozen_numel: int, precision: str) -> dict[str
             if chunk.frozen:
                 out[chunk.w_tier] = out.get(chunk.w_tier, 0) + chunk.shard_nbytes
         return out
+    from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
     from colossalai.cli.headline import working_bytes
 
-    sharded = getattr(plugin, "stage", 0) == 3 or type(plugin).__name__ == "TorchFSDPPlugin"
+    sharded = getattr(plugin, "stage", 0) == 3 or isinstance(plugin, TorchFSDPPlugin)
     shards = plugin.dp_size() if sharded else 1
     return {torch.device(plugin.device).type: frozen_numel * working_bytes(precision) // shards}

@@ -271,17 +271,23 @@ def _check_processes(nproc: int) -> list[str]:
     return []
 
 
-def validate_train(args: argparse.Namespace, world: int | None = None) -> list[str]:
+def validate_train(args: argparse.Namespace, world: int | None = None, *, builtin_model: bool = True) -> list[str]:
     """Check every ``train`` option; returns warnings, raises :class:`UsageError` for the first
-    bad one. ``world``: processes in the job (default ``--nproc``)."""
+    bad one. ``world``: processes in the job (default ``--nproc``). ``builtin_model=False`` (a
+    ``finetune`` of a Hugging Face folder): the built-in families' shape rules are left out, the
+    corpus is checked against ``--seq-len``."""
     _check_ranges(args)
     _check_paths(args)
     _check_plugin_flags(args)
-    _check_family(args)
+    if builtin_model:
+        _check_family(args)
     plugin = _build_plugin(args)
     world = args.nproc if world is None else world
     dp = _data_parallel(args, plugin, world)
-    _check_model(args, plugin, dp)
+    if builtin_model:
+        _check_model(args, plugin, dp)
+    else:
+        _check_corpus(args, args.seq_len)
     return _check_processes(args.nproc)
 
 
@@ -310,15 +316,7 @@ def validate_finetune(args: argparse.Namespace, world: int | None = None) -> lis
         base = apply_base(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if base.kind != "hf":
-        return validate_train(args, world)
-    _check_ranges(args)  # a Hugging Face model: everything but the built-in families' shape rules
-    _check_paths(args)
-    _check_plugin_flags(args)
-    plugin = _build_plugin(args)
-    _data_parallel(args, plugin, args.nproc if world is None else world)
-    _check_corpus(args, args.seq_len)
-    return _check_processes(args.nproc)
+    return validate_train(args, world, builtin_model=base.kind != "hf")
 
 
 def validate_run(args: argparse.Namespace) -> list[str]:
