@@ -21,8 +21,6 @@ backward passes in one process (what data parallelism sums) gives 4.83e-8 and a 
 ``rtol=1e-5`` plus ``atol=1e-3 * lr``; the losses (the end-to-end check) to ``rtol=1e-5`` alone.
 """
 
-import re
-
 import pytest
 import safetensors
 import torch
@@ -31,11 +29,12 @@ import torch.distributed as dist
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+import hf_models  # noqa: E402
+
 from colossal.comm.testing import run_distributed  # noqa: E402
 from colossalai import (  # noqa: E402
     Booster,
     GeminiPlugin,
-    HybridParallelPlugin,
     TorchDDPPlugin,
     TorchFSDPPlugin,
     ZeroPlugin,
@@ -59,16 +58,9 @@ PLUGINS = {
 
 
 def base_model(family: str):
-    """The seeded tiny model of ``family`` (no dropout)."""
+    """The seeded tiny model of ``family`` (``hf_models.build``: no dropout)."""
     torch.manual_seed(0)
-    if family == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32, bos_token_id=0,
-                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, vocab_size=V, max_position_embeddings=32,
-                                   use_cache=False)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+    return hf_models.build(family)
 
 
 def lora_config(family: str, r: int = 4, **kw):
@@ -238,10 +230,6 @@ def _trained(plugin):
 
 def _folders(root, plain, wrong):
     out, x = {}, batch(0)
-    try:  # refused before anything is wrapped, on every rank
-        Booster(plugin=HybridParallelPlugin(tp_size=2)).enable_lora(base_model("gpt2"), lora_config("gpt2"))
-    except NotImplementedError as e:
-        out["tp"] = str(e)
     # Gemini with its disk tier (frozen base streamed from disk), saved as PEFT: from_pretrained must match.
     disk = root / f"disk{dist.get_rank()}"
     disk.mkdir(exist_ok=True)
@@ -339,8 +327,3 @@ def test_lora_config_must_be_a_lora_config():
         Booster().enable_lora(base_model("gpt2"), {"r": 4})
     with pytest.raises(TypeError, match="got NoneType"):
         Booster().enable_lora(base_model("gpt2"))
-
-
-def test_lora_under_tensor_parallelism_is_refused_with_what_is_supported(folder_results):
-    _, out, _, _ = folder_results
-    assert re.search(r"HybridParallelPlugin\(tp_size=2\) is not supported yet.*ZeroPlugin.*GeminiPlugin", out["tp"])

@@ -40,8 +40,9 @@ def _runs(root):
     hf_out = ["--adapter-out", str(root / "ad-hf"), "--merge-out", str(root / "merged-hf")]
     out = {"hf": _cli(*FINETUNE, "--plugin", "ddp", "--base", str(root / "hf"), "--corpus", str(root / "corpus"),
                       "--steps", "3", *hf_out)}  # fmt: skip
-    for name, plugin in (("gemini", ["--plugin", "gemini", "--device-budget", "3MiB"]), ("zero3", ["--plugin",
-                         "zero", "--zero-stage", "3"])):  # fmt: skip
+    plugins = {"gemini": ["--plugin", "gemini", "--device-budget", "3MiB"], "zero3": ["--plugin", "zero",
+               "--zero-stage", "3"], "hybrid": ["--plugin", "hybrid", "--tp-size", "2"]}  # fmt: skip
+    for name, plugin in plugins.items():
         src = root / ("base" if name == "gemini" else "exp")  # a checkpoint, an export folder
         out[name] = _cli(*FINETUNE, *plugin, "--nproc", "2", "--base", str(src), "--corpus", str(root / "corpus"),
                          "--steps", "3", "--adapter-out", str(root / f"ad-{name}"), "--merge-out",
@@ -83,7 +84,7 @@ def _logits(model, x):
         return model(x)
 
 
-@pytest.mark.parametrize("name", ["gemini", "zero3"])
+@pytest.mark.parametrize("name", ["gemini", "zero3", "hybrid"])
 def test_finetune_summary_names_the_adapter_and_the_frozen_base(runs, name):
     _, out = runs
     assert "colossalai finetune" in out[name]
@@ -94,7 +95,7 @@ def test_finetune_summary_names_the_adapter_and_the_frozen_base(runs, name):
         assert "model states" in out[name] and "x the device budget" in out[name]
 
 
-@pytest.mark.parametrize("name", ["gemini", "zero3"])
+@pytest.mark.parametrize("name", ["gemini", "zero3", "hybrid"])
 def test_adapter_loads_in_plain_peft_and_merge_is_peft_merge(runs, name):
     root, _ = runs
     base = _gpt_tiny()
@@ -128,7 +129,7 @@ def test_finetune_resumes_and_its_merge_is_a_base(runs, monkeypatch):
     [
         (["--base", "{root}/corpus"], "is neither a colossalai train checkpoint"),
         (["--base", "{root}/exp", "--seq-len", "64"], "--seq-len 64 exceeds the 32 positions"),
-        (["--base", "{root}/exp", "--plugin", "hybrid"], "finetune runs under --plugin ddp, fsdp, zero or gemini"),
+        (["--base", "{root}/exp", "--plugin", "hybrid", "--pp-size", "2"], "got --pp-size 2, --ep-size 1"),
         (["--base", "{root}/exp", "--export", "{root}/x"], "--export writes a train run's model"),
         (["--base", "{root}/exp", "--lora-rank", "0"], "--lora-rank must be >= 1, got 0"),
         (["--base", "{root}/exp", "--corpus", "{root}/nothing"], "--corpus {root}/nothing: no such file"),

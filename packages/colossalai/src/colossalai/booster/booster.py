@@ -423,16 +423,15 @@ class Booster:
         is not a ``peft.LoraConfig``; ``ValueError`` naming the values for ``target_modules`` that
         match no module, a rank ``r`` above ``min(in_features, out_features)`` of a targeted layer,
         and (a given PeftModel) base parameters that still require grad. Needs the ``lora`` extra
-        (``pip install 'colossal-stack[lora]'``). ``NotImplementedError`` under a hybrid plugin with
-        tensor, sequence, pipeline or expert parallelism (its policies do not know peft's layers yet)."""
-        degrees = {k: getattr(self.plugin, k, 1) for k in ("tp_size", "sp_size", "pp_size", "ep_size")}
-        split = {k: v for k, v in degrees.items() if v > 1}
-        if split:
-            shown = ", ".join(f"{k}={v}" for k, v in split.items())
-            raise NotImplementedError(
-                f"LoRA under {type(self.plugin).__name__}({shown}) is not supported yet: use TorchDDPPlugin, "
-                "TorchFSDPPlugin, ZeroPlugin (stages 1-3, offload) or GeminiPlugin (static, auto, disk tier)"
-            )
+        (``pip install 'colossal-stack[lora]'``). Under the hybrid plugin LoRA composes with 1D tensor
+        parallelism, sequence parallelism and dp (``[Note: LoRA under 1D tensor parallelism]`` in
+        :mod:`colossalai.booster.hybrid.adapters`); ``NotImplementedError`` with pipeline or expert
+        parallelism or a ``tp_mode`` other than 1d."""
+        from colossalai.booster.hybrid.adapters import check_lora_layout
+
+        if getattr(self.plugin, "name", None) == "hybrid":
+            p = self.plugin
+            check_lora_layout(tp_mode=p.tp_mode if p.tp_size > 1 else "1d", pp_size=p.pp_size, ep_size=p.ep_size)
         return lora.enable_lora(model, lora_config)
 
     def save_lora_as_pretrained(self, model: BoostedModel, folder: str | os.PathLike) -> pathlib.Path:
@@ -443,8 +442,9 @@ class Booster:
         self._arrive("save_lora_as_pretrained")
         user = self.plugin.unwrap(model.module)
         lora.check_peft_model(user)  # a model without an adapter raises on every rank, before the gather
-        names = lora.adapter_names(user, self.plugin.checkpoint_entries(model.module))
-        adapter = lora.gather_entries(self.plugin, model.module, names)  # the adapter only, not the base
+        entries = self.plugin.checkpoint_entries(model.module)
+        names = lora.adapter_names(user, entries)
+        adapter = lora.gather_entries(self.plugin, model.module, names, entries)  # the adapter only, not the base
         if world_rank() == 0:
             lora.save_adapter(user, adapter, folder)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -320,14 +320,17 @@ def adapter_names(user, entries: dict) -> list[str]:
     return sorted(adapter_keys(user, _meta(entries)))
 
 
-def gather_entries(plugin, model: nn.Module, names) -> dict[str, torch.Tensor] | None:
+def gather_entries(plugin, model: nn.Module, names, entries: dict | None = None) -> dict[str, torch.Tensor] | None:
     """The model entries ``names``, whole, on the CPU of rank 0 (None on the other ranks): each rank
     sends its own pieces of them (:meth:`Plugin.model_pieces`) and rank 0 joins them, so only these
     entries travel and rank 0 never holds the rest of the model (an adapter, not its base).
-    RuntimeError when the pieces do not cover an entry. Collective: every rank calls it."""
+    ``entries``: the plugin's ``checkpoint_entries(model)`` when the caller has them (they are read
+    on every rank: collective under some plugins). RuntimeError when the pieces do not cover an
+    entry. Collective: every rank calls it."""
     import torch.distributed as dist
 
     names = list(names)
+    entries = plugin.checkpoint_entries(model) if entries is None else entries
     mine = {k: v.detach().to("cpu").clone() for k, v in plugin.model_pieces(model, names).items()}  # no views
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     parts = [None] * world if rank == 0 else None
@@ -337,7 +340,6 @@ def gather_entries(plugin, model: nn.Module, names) -> dict[str, torch.Tensor] |
         parts = [mine]
     if rank != 0:
         return None
-    entries = plugin.checkpoint_entries(model)
     flats: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}

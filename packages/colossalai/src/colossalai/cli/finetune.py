@@ -261,11 +261,12 @@ def write_model_card(folder, model: str, preset: str, block_size: int, tokenizer
     return folder / MODEL_CARD
 
 
-def frozen_bytes_per_tier(plugin, frozen_numel: int, precision: str) -> dict[str, int]:
+def frozen_bytes_per_tier(plugin, frozen_numel: int, precision: str, model=None) -> dict[str, int]:
     """Bytes of frozen (base) weights this process holds, per tier: Gemini's frozen chunk shards by
-    the tier their working data is in; under any other plugin ``frozen_numel`` elements in the
-    working precision on the compute device, split over the data-parallel ranks by the plugins
-    that shard parameters (ZeRO stage 3, FSDP)."""
+    the tier their working data is in; under the hybrid plugin the frozen parameters of ``model``
+    (the boosted user model: this rank's tensor-parallel blocks); under any other plugin
+    ``frozen_numel`` elements in the working precision on the compute device, split over the
+    data-parallel ranks by the plugins that shard parameters (ZeRO stage 3, FSDP)."""
     manager = getattr(getattr(plugin, "model", None), "manager", None)
     if manager is not None:
         out: dict[str, int] = {}
@@ -276,6 +277,9 @@ def frozen_bytes_per_tier(plugin, frozen_numel: int, precision: str) -> dict[str
     from colossalai.booster.fsdp_plugin import TorchFSDPPlugin
     from colossalai.cli.headline import working_bytes
 
+    if getattr(plugin, "name", None) == "hybrid" and model is not None:
+        local = {id(p): p for p in model.parameters() if not p.requires_grad and not p.is_meta}
+        return {torch.device(plugin.device).type: sum(p.numel() * p.element_size() for p in local.values())}
     sharded = getattr(plugin, "stage", 0) == 3 or isinstance(plugin, TorchFSDPPlugin)
     shards = plugin.dp_size() if sharded else 1
     return {torch.device(plugin.device).type: frozen_numel * working_bytes(precision) // shards}

@@ -438,7 +438,7 @@ def _finetune_rows(args, booster: Booster, model, base, counts: tuple[int, int])
     config = model.unwrap().active_peft_config
     names = config.target_modules  # peft resolves "all-linear" to the full names of the layers
     targets = names if isinstance(names, str) else ", ".join(sorted({t.rsplit(".", 1)[-1] for t in names}))
-    tiers = frozen_bytes_per_tier(booster.plugin, frozen, args.precision)
+    tiers = frozen_bytes_per_tier(booster.plugin, frozen, args.precision, model.unwrap())
     return {
         "base": f"{base.path} ({base.kind})",
         "LoRA": f"r={config.r}, alpha {config.lora_alpha:g} on {targets}",

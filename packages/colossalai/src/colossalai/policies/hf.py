@@ -289,8 +289,10 @@ class GPT2Policy(HFPolicy):
         for name, block in blocks:
             c = block.attn.split_size
             rows = _per_head_rows(c, 3, p)
+            c_attn = Linear1D.from_dense(_conv1d_as_linear(block.attn.c_attn, rows), group, "col")
+            c_attn.dense_rows = rows  # its output features in this order (a LoRA adapter's lora_B follows it)
             built += [
-                (f"{name}.attn.c_attn", Linear1D.from_dense(_conv1d_as_linear(block.attn.c_attn, rows), group, "col")),
+                (f"{name}.attn.c_attn", c_attn),
                 (f"{name}.attn.c_proj", Linear1D.from_dense(_conv1d_as_linear(block.attn.c_proj), group, "row")),
                 (f"{name}.mlp.c_fc", Linear1D.from_dense(_conv1d_as_linear(block.mlp.c_fc), group, "col")),
                 (f"{name}.mlp.c_proj", Linear1D.from_dense(_conv1d_as_linear(block.mlp.c_proj), group, "row")),

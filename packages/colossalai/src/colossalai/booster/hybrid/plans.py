@@ -122,7 +122,11 @@ def model_plan(
     """The plan for ``model``: the user's (validated), else a built-in one, else ``None`` when
     there is no tensor or sequence parallelism to apply. Raises ``ValueError`` / ``TypeError`` (on
     every rank, before any collective) for a plan that does not fit the model, a model its policy
-    cannot split with these sizes, or a model that needs a plan and has none."""
+    cannot split with these sizes, or a model that needs a plan and has none. A ``peft`` model's
+    plan is its base model's (``[Note: LoRA under 1D tensor parallelism]`` in :mod:`.adapters`)."""
+    from colossalai.booster.hybrid.adapters import lora_base
+
+    model = lora_base(model)
     if plan is not None:
         found = _split(plan, model, "plan=")
     else:

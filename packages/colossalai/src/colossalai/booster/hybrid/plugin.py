@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
+from colossalai.booster.hybrid.adapters import check_lora_layout
 from colossalai.booster.hybrid.dp import apply_ddp, dp_group
 from colossalai.booster.hybrid.ep import (
     ExpertParallel,
@@ -76,9 +77,11 @@ from colossalai.booster.hybrid.wrappers import (
     check_layout,
 )
 from colossalai.booster.hybrid.zero import HybridZeroOptimizer, zero_engine
+from colossalai.booster.lora import is_peft_model
 from colossalai.booster.plugin import Plugin, ensure_process_group, param_names, rebind_optimizer, world_size
 from colossalai.booster.precision import Precision
 from colossalai.booster.zero_plugin import load_zero_optimizer, zero_optimizer_state
+from colossalai.checkpoint.slices import aliases, model_entries
 
 __all__ = ["HybridParallelPlugin", "TensorParallelOptimizer"]
 
@@ -234,6 +237,9 @@ class HybridParallelPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer, precision):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
+        if is_peft_model(model):  # before any collective: what LoRA adapters compose with
+            mode = self.tp_mode if self.tp_size > 1 else "1d"
+            check_lora_layout(tp_mode=mode, pp_size=self.pp_size, ep_size=self.ep_size)
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
             check_ep(model, self.ep_size, self.dp_size() * self.sp_size, self.sp_size)
         plan = model_plan(
@@ -482,8 +488,17 @@ class HybridParallelPlugin(Plugin):
 
     def checkpoint_entries(self, model: nn.Module) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every stage's entries: a pipeline rank holds only its own stages' tensors, but a
-        checkpoint (and the strict check against it) is of the whole model. Collective over pp."""
-        entries = super().checkpoint_entries(model)
+        checkpoint (and the strict check against it) is of the whole model. Collective over pp.
+        Read from the dense shapes recorded before conversion: nothing is gathered over tp (an
+        expert model's entries come from its portable state dict)."""
+        if self._ep is not None:
+            entries = super().checkpoint_entries(model)
+        else:
+            module = self.unwrap(model)
+            params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+            meta = lambda n, t: torch.empty(self._dense_shapes[n], dtype=t.dtype, device="meta")  # noqa: E731
+            state = {n: meta(n, t) if n in params else t for n, t in module.state_dict().items() if not t.is_meta}
+            entries = model_entries(state, aliases(module))
         if self.pp_size > 1:
             parts = [None] * self.pp_size
             torch.distributed.all_gather_object(parts, entries, group=self.mesh.group("pp"))

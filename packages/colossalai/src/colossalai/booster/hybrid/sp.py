@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from colossalai.booster.hybrid.adapters import lora_base
 from colossalai.booster.hybrid.plans import ModelPlan
 from colossalai.booster.hybrid.wrappers import SequenceParallel, sequence_after_tensor
 
@@ -25,8 +26,8 @@ def apply_sp(model: nn.Module, inner: nn.Module, mesh, kind: str, dense_shapes: 
         return plan.policy.apply_sequence(model, inner, sp, kind)
     if not plan.sp:
         raise ValueError(f"sequence parallelism needs ATTENTION entries in the plan ({plan.source}); got none")
-    if inner is model:
-        parallelize(model, "sequence", sp, plan.sp, kind=kind)
+    if inner is model:  # the plan names the base model's modules (a peft model's too)
+        parallelize(lora_base(model), "sequence", sp, plan.sp, kind=kind)
     else:
         sequence_after_tensor(model, sp, kind, dense_shapes, plan.sp)
     return SequenceParallel(inner, sp, torch.distributed.get_world_size(sp))

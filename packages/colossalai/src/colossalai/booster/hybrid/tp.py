@@ -6,6 +6,7 @@ import itertools
 
 from torch import nn
 
+from colossalai.booster.hybrid.adapters import convert_with_adapters, lora_base
 from colossalai.booster.hybrid.plans import ModelPlan
 from colossalai.booster.hybrid.shards import ShardIndex
 from colossalai.booster.hybrid.wrappers import GatherLogits, gather_fn
@@ -28,19 +29,24 @@ def apply_tp(model: nn.Module, mesh, mode: str, depth: int, plan: ModelPlan) -> 
     ``plan``; returns it wrapped so that its split logits (if any) come out gathered, and the
     shard index maps its checkpoints need (``[Note: shard index maps]``; 2D/2.5D/3D, and 1D
     layouts that are not one contiguous split per parameter), built from the dense model first.
-    A model holding meta tensors (other pipeline stages') has only its real modules converted."""
+    A model holding meta tensors (other pipeline stages') has only its real modules converted; a
+    ``peft`` model has its base converted and its adapters split to match (``[Note: LoRA under 1D
+    tensor parallelism]`` in :mod:`.adapters`); frozen parameters stay frozen."""
     from colossal.tensor_parallel import parallelize
 
     target = mesh.group("tp") if mode == "1d" else mesh.layout(mode, "tp", depth=depth)
     tp_plan = plan.tp
     if tp_plan and any(t.is_meta for t in model.parameters()):
-        tp_plan = real_modules_plan(model, tp_plan)
+        tp_plan = real_modules_plan(lora_base(model), tp_plan)
 
-    def convert(m: nn.Module) -> None:
+    def convert_base(m: nn.Module) -> None:
         if plan.policy is not None:  # a Hugging Face family: its own modules first (GPT-2 Conv1D)
             plan.policy.convert_tp(m, target, mode)
         if tp_plan:
             parallelize(m, mode, target, tp_plan, depth=depth)
+
+    def convert(m: nn.Module) -> None:
+        convert_with_adapters(m, convert_base, mesh.group("tp"))
 
     indexed = mode != "1d" or (plan.policy is not None and plan.policy.permutes)
     shards = ShardIndex(model, convert, mesh.group("tp")) if indexed else None

@@ -1,0 +1,181 @@
+"""LoRA adapters under 1D tensor parallelism: a ``peft`` model converted by the hybrid plugin.
+
+[Note: LoRA under 1D tensor parallelism]
+The tensor-parallel plan (a policy's, or the user's ``plan=``) names the modules of the *base*
+model. A ``peft`` LoRA layer wraps its base layer (``q_proj`` becomes a ``LoraLayer`` holding
+``base_layer``, ``lora_A`` and ``lora_B``), so the plugin converts the base model with every LoRA
+layer swapped back for its base layer (the plan and the policies see the model they know), then
+puts each LoRA layer back around its converted base layer and splits the adapter to match:
+
+* **column-parallel base** (``W: in -> out/P``, input replicated): ``lora_A`` stays replicated,
+  ``lora_B`` becomes column-parallel (``r -> out/P``, with the base's row order: GPT-2's fused
+  ``c_attn`` holds q, k, v of its own heads). ``lora_B``'s input gradient is all-reduced, so
+  ``dh = B^T dy`` is whole on every rank and ``lora_A``'s gradient is the dense one, identical on
+  every rank (no extra all-reduce of it). Where the base skips its own input all-reduce because
+  the parent attention does it once for q, k and v (``[Note: one input all-reduce for q, k and v]``
+  in :mod:`colossal.tensor_parallel.one_d`), the adapter's input gradient, whole on every rank,
+  is divided by ``P`` before that all-reduce sums it.
+* **row-parallel base** (``W: in/P -> out``, output all-reduced): ``lora_A`` becomes row-parallel
+  (``in/P -> r``, its output all-reduced), ``lora_B`` stays replicated; every gradient is then the
+  dense one (``lora_B``'s identical on every rank).
+* a base that stays replicated (an embedding, a norm, a head): its adapter stays replicated.
+
+Each adapter keeps peft's names (``...q_proj.lora_B.default.weight``), so the plugin's
+checkpoints hold the dense adapter under those names (1D: DTensors ``Shard(0)`` / ``Shard(1)``;
+GPT-2's permuted rows: the shard index maps) and ``peft.PeftModel.from_pretrained`` reads what
+``save_lora_as_pretrained`` writes. Parameters that were frozen before the conversion (the whole
+base) stay frozen after it: the tensor-parallel layers are new modules whose parameters would
+otherwise require grad. Supported: plain LoRA on linear layers (``Linear``, GPT-2's ``Conv1D``);
+DoRA, LoRA biases and adapters of a base split some other way raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+__all__ = ["check_lora_layout", "convert_with_adapters", "lora_base"]
+
+
+def lora_base(model: nn.Module) -> nn.Module:
+    """The model a tensor-parallel plan names: a ``peft.PeftModel``'s base model, else ``model``."""
+    from colossalai.booster.lora import is_peft_model
+
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def check_lora_layout(*, tp_mode: str, pp_size: int, ep_size: int) -> None:
+    """``NotImplementedError`` (before any collective, on every rank) for a layout that LoRA
+    adapters cannot be split in yet: tp modes other than 1D, pipeline and expert parallelism."""
+    bad = {"pp_size": pp_size, "ep_size": ep_size}
+    shown = ", ".join(f"{k}={v}" for k, v in bad.items() if v > 1)
+    if shown:
+        raise NotImplementedError(
+            f"LoRA under HybridParallelPlugin({shown}) is not supported yet: LoRA composes with tp_size "
+            "(tp_mode '1d'), sp_size and dp (zero_stage 0-2)"
+        )
+    if tp_mode != "1d":
+        raise NotImplementedError(f"LoRA under tensor parallelism: tp_mode '1d' (got {tp_mode!r})")
+
+
+def _adapted(model: nn.Module) -> dict[str, nn.Module]:
+    """Name (in the base model) -> peft LoRA layer wrapping a base layer, in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    base = lora_base(model)
+    return {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer) and hasattr(m, "base_layer")}
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` (see the note: an input gradient that the
+    parent attention all-reduces once)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class _SharedInputDropout(nn.Module):
+    """A LoRA layer's dropout whose input gradient is divided by the group size: the parent sums
+    the whole gradient of every rank (``[Note: LoRA under 1D tensor parallelism]``)."""
+
+    def __init__(self, dropout: nn.Module, group_size: int) -> None:
+        super().__init__()
+        self.dropout, self.scale = dropout, 1.0 / group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``dropout(x)``; backward scales the gradient of ``x``."""
+        return self.dropout(_ScaleGrad.apply(x, self.scale))
+
+
+def _check_plain(name: str, layer: nn.Module) -> None:
+    adapters = list(layer.lora_A)
+    if getattr(layer, "lora_variant", None) or any(getattr(layer, "use_dora", {}).get(a) for a in adapters):
+        raise NotImplementedError(f"LoRA under tensor parallelism: {name!r} uses a LoRA variant (DoRA); plain LoRA")
+    if any(layer.lora_B[a].bias is not None for a in adapters):
+        raise NotImplementedError(f"LoRA under tensor parallelism: {name!r} has a LoRA bias (lora_bias=True)")
+
+
+def _split_adapter(name: str, layer: nn.Module, group, converted: bool) -> None:
+    """Split ``layer``'s adapters to match its ``base_layer`` (see the note); ``converted``: whether
+    the tensor-parallel conversion replaced the base layer (else it stays replicated, and so does
+    the adapter)."""
+    import torch.distributed as dist
+
+    from colossal.tensor_parallel import Linear1D
+
+    base = layer.base_layer
+    if not converted:
+        return
+    if not isinstance(base, Linear1D):
+        raise NotImplementedError(
+            f"LoRA under tensor parallelism: {name!r} became {type(base).__name__}; adapters follow column- "
+            "and row-parallel linear layers only (leave that module out of target_modules)"
+        )
+    _check_plain(name, layer)
+    p = dist.get_world_size(group)
+    for adapter in list(layer.lora_A):
+        a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+        if base.style == "col":
+            rows = getattr(base, "dense_rows", None)
+            if rows is not None:  # the base's output features in its own order (GPT-2's per-head c_attn)
+                with torch.no_grad():
+                    b.weight.copy_(b.weight[rows.to(b.weight.device)])
+            new_b = Linear1D.from_dense(b, group, "col")
+            layer.lora_B[adapter] = _like(new_b, b)
+            if not base.sync_input_grad:
+                layer.lora_dropout[adapter] = _SharedInputDropout(layer.lora_dropout[adapter], p)
+        else:
+            layer.lora_A[adapter] = _like(Linear1D.from_dense(a, group, "row"), a)
+
+
+def _like(new: nn.Module, old: nn.Module) -> nn.Module:
+    ref = old.weight
+    new.to(device=ref.device, dtype=ref.dtype)
+    for q in new.parameters():
+        q.requires_grad_(ref.requires_grad)
+    return new
+
+
+@contextlib.contextmanager
+def _base_layers_in_place(model: nn.Module):
+    """The base model with every LoRA layer replaced by its base layer; yields ``{name: (lora layer,
+    its base layer before)}`` and puts each LoRA layer back (around whatever is at its name then) on exit."""
+    from colossal.tensor_parallel import replace_module
+
+    base = lora_base(model)
+    layers = _adapted(model)
+    for name, layer in layers.items():
+        replace_module(base, name, layer.base_layer)
+    try:
+        yield {name: (layer, layer.base_layer) for name, layer in layers.items()}
+    finally:
+        for name, layer in layers.items():
+            layer.base_layer = base.get_submodule(name)
+            replace_module(base, name, layer)
+
+
+def convert_with_adapters(model: nn.Module, convert_base, group) -> None:
+    """Run ``convert_base(base_model)`` (the 1D conversion of a plan and/or a policy) on ``model``,
+    a ``peft`` model or not, keeping frozen parameters frozen; a ``peft`` model's adapters are
+    split to match their converted base layers (``[Note: LoRA under 1D tensor parallelism]``)."""
+    from colossalai.booster.lora import is_peft_model
+
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    if not is_peft_model(model):
+        convert_base(model)
+    else:
+        with _base_layers_in_place(model) as layers:
+            convert_base(lora_base(model))
+        for name, (layer, before) in layers.items():
+            _split_adapter(name, layer, group, converted=layer.base_layer is not before)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in frozen:
+            p.requires_grad_(False)
