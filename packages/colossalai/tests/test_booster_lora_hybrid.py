@@ -47,8 +47,9 @@ TARGETS = {
     "gpt2": ["c_attn", "c_fc", "c_proj"],
     "llama": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
     "gpt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"],  # the colossalai GPT
+    "mixtral": ["q_proj", "v_proj", "o_proj"],  # the experts stay frozen (and split over ep)
 }
-ADAPTED = {"gpt2": 4, "llama": 5, "gpt": 6}  # adapted modules per layer (GPT-2's c_proj: attn and mlp)
+ADAPTED = {"gpt2": 4, "llama": 5, "gpt": 6, "mixtral": 3}  # adapted modules per layer (GPT-2's c_proj: attn and mlp)
 CASES = {  # name -> (family, world size, plugin arguments)
     "gpt2-tp2": ("gpt2", 2, {"tp_size": 2}),
     "gpt-tp2": ("gpt", 2, {"tp_size": 2}),
@@ -56,7 +57,14 @@ CASES = {  # name -> (family, world size, plugin arguments)
     "llama-tp2": ("llama", 2, {"tp_size": 2}),
     "llama-sp2-ring": ("llama", 2, {"tp_size": 1, "sp_size": 2}),
     "gpt2-sp2-all_to_all": ("gpt2", 2, {"tp_size": 1, "sp_size": 2, "sp_kind": "all_to_all"}),
+    "gpt2-pp2": ("gpt2", 2, {"tp_size": 1, "pp_size": 2}),
+    "llama-pp2-zero_bubble": ("llama", 2, {"tp_size": 1, "pp_size": 2, "pp_schedule": "zero_bubble"}),
+    "gpt-pp2-interleaved": ("gpt", 2, {"tp_size": 1, "pp_size": 2, "pp_schedule": "interleaved", "pp_virtual": 1}),
+    "mixtral-ep2": ("mixtral", 2, {"tp_size": 1, "ep_size": 2}),
     "llama-tp2-dp2-zero1": ("llama", 4, {"tp_size": 2, "zero_stage": 1}),
+    "mixtral-tp2-ep2": ("mixtral", 4, {"tp_size": 2, "ep_size": 2}),
+    "gpt2-pp2-tp2": ("gpt2", 4, {"tp_size": 2, "pp_size": 2}),
+    "gpt-pp2-dp2-zero2": ("gpt", 4, {"tp_size": 1, "pp_size": 2, "zero_stage": 2}),
     "gpt2-tp2-sp2": ("gpt2", 4, {"tp_size": 2, "sp_size": 2}),
 }
 
@@ -68,7 +76,7 @@ def base_model(family: str):
         from colossalai.models import GPT, GPTConfig
 
         return GPT(GPTConfig(vocab_size=V, block_size=16, n_embd=32, n_layer=2, n_head=4))
-    return hf_models.build(family)
+    return hf_models.build(family)  # gpt2, llama, mixtral
 
 
 def lora_config(family: str, **kw):
@@ -76,12 +84,16 @@ def lora_config(family: str, **kw):
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family], **fan, **kw)
 
 
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross entropy, as the Hugging Face models compute it with ``labels=ids``."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
 def loss_of(family: str, model, ids: torch.Tensor) -> torch.Tensor:
-    """The next-token loss, as the Hugging Face models compute it with ``labels=ids``."""
+    """The reference's loss: the model's own with ``labels`` (the colossalai GPT: logits only)."""
     if family != "gpt":
         return model(input_ids=ids, labels=ids).loss
-    logits = model(ids)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return next_token_loss(model(ids), ids)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -121,9 +133,10 @@ def _train(family: str, kwargs: dict):
     losses, norms = [], []
     for step in range(STEPS):
         ids = batch(step).chunk(plugin.dp_size())[plugin.dp_rank()]
-        loss = loss_of(family, model, ids)
-        booster.backward(loss, optim)
+        x = ids if family == "gpt" else {"input_ids": ids}
+        loss = booster.execute_pipeline((x, ids), model, next_token_loss, optim)  # pp or not
         norms.append(optim.clip_grad_norm(1e9).item())  # the dense norm, each element once
+        _check_only_the_adapter_trains(plugin.unwrap(model.module))
         optim.step()
         optim.zero_grad()
         mean = loss.detach().clone()
@@ -133,10 +146,45 @@ def _train(family: str, kwargs: dict):
     return booster, model, (losses, norms, {k: v.detach().cpu().clone() for k, v in full.items()})
 
 
+def _check_only_the_adapter_trains(model) -> None:
+    """After boost the adapter alone requires grad (the axes' new layers must not unfreeze the
+    base) and no frozen parameter got a gradient."""
+    named = dict(model.named_parameters())
+    trainable = sorted(n for n, p in named.items() if p.requires_grad and "lora_" not in n)
+    assert not trainable, f"base parameters became trainable: {trainable[:4]}"
+    grads = sorted(n for n, p in named.items() if p.grad is not None and not p.requires_grad)
+    assert not grads, f"frozen parameters got a gradient: {grads[:4]}"
+
+
+def _moe_gpt_run(kwargs: dict):
+    """The colossalai MoE GPT (colossal.moe experts, per-rank capacity) with LoRA on its attention:
+    per-step losses and dense gradient norms, each rank on its half of the batch."""
+    from colossalai.models import build_moe_gpt
+
+    booster = Booster(plugin=HybridParallelPlugin(**kwargs))
+    model = build_moe_gpt("moe-tiny", seed=0, vocab_size=V, block_size=16)
+    torch.manual_seed(0)  # the adapter's initialisation
+    model = booster.enable_lora(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "out_proj"]))
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    model, optim, *_ = booster.boost(model, optim)
+    out = []
+    for step in range(STEPS):
+        ids = batch(step).chunk(2)[dist.get_rank()]
+        loss = booster.execute_pipeline((ids, ids), model, next_token_loss, optim)
+        out.append(optim.clip_grad_norm(1e9).item())
+        _check_only_the_adapter_trains(booster.plugin.unwrap(model.module))
+        optim.step()
+        optim.zero_grad()
+        dist.all_reduce(mean := loss.detach().clone())
+        out.append(mean.item() / 2)
+    return out
+
+
 def _runs(names, root, plain):
     out = {name: _train(*CASES[name][::2])[2] for name in names}
     if dist.get_world_size() != 2:
         return out
+    out["moe-dp2"], out["moe-ep2"] = (_moe_gpt_run({"tp_size": 1, "ep_size": ep}) for ep in (1, 2))
     x = batch(0)
     # Trained under tp2, saved as PEFT and merged: peft and transformers must read both.
     booster, model, _ = _train("gpt2", {"tp_size": 2})
@@ -179,6 +227,13 @@ def test_lora_under_the_hybrid_plugin_matches_plain_peft(results, name):
     assert not changed, f"base weights changed: {changed}"
 
 
+def test_moe_gpt_experts_stay_frozen_under_expert_parallelism(results):
+    """ep2 trains what dp2 trains (the same per-rank capacity: equal per-step losses and norms)."""
+    torch.testing.assert_close(
+        torch.tensor(results[1]["moe-ep2"]), torch.tensor(results[1]["moe-dp2"]), rtol=1e-5, atol=0
+    )
+
+
 def test_adapter_trained_under_tp2_loads_in_plain_peft_and_merges(results):
     root, out, _ = results
     model = peft.PeftModel.from_pretrained(base_model("gpt2"), root / "tp2-adapter")
@@ -197,15 +252,26 @@ def test_plain_peft_adapter_loads_under_tp2_and_zero3(results, name):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp_size": 2, "pp_size": 2}, r"HybridParallelPlugin\(pp_size=2\) is not supported yet.*tp_size"),
-        ({"tp_size": 1, "ep_size": 2}, r"HybridParallelPlugin\(ep_size=2\) is not supported yet"),
-        ({"tp_size": 4, "tp_mode": "2d"}, r"tp_mode '1d' \(got '2d'\)"),
+        ({"tp_size": 4, "tp_mode": "2d"}, r"needs tp_mode '1d' \(got '2d'\); LoRA composes with 1D tp, sp, pp, ep"),
+        ({"tp_size": 8, "tp_mode": "3d"}, r"needs tp_mode '1d' \(got '3d'\)"),
     ],
 )
-def test_layouts_lora_does_not_compose_with_are_refused_before_boost(kwargs, message):
+def test_grid_tensor_parallel_modes_are_refused_before_boost(kwargs, message):
     with pytest.raises(NotImplementedError, match=message):
         Booster(plugin=HybridParallelPlugin(**kwargs)).enable_lora(base_model("gpt2"), lora_config("gpt2"))
     model = peft.get_peft_model(base_model("gpt2"), lora_config("gpt2"))  # wrapped by the user: refused at boost
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     with pytest.raises(NotImplementedError, match=re.escape("LoRA")):
         Booster(plugin=HybridParallelPlugin(**kwargs)).boost(model, optim)
+
+
+def test_an_adapter_inside_the_experts_is_refused_under_expert_parallelism():
+    """The experts split over ep are frozen base weights; peft's ``target_parameters`` puts a LoRA
+    layer around Mixtral's stacked experts: refused at boost, naming it, before any collective."""
+    model = peft.get_peft_model(
+        base_model("mixtral"),
+        peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"]),
+    )
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    with pytest.raises(NotImplementedError, match=r"inside expert layers split over ep: \['.*layers\.0\.mlp\."):
+        Booster(plugin=HybridParallelPlugin(tp_size=1, ep_size=2)).boost(model, optim)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 peft = pytest.importorskip("peft")
 
 from test_colossalai_cli import TRAIN, _cli, _losses  # noqa: E402
+from test_colossalai_tokenizer import sentencepiece_like  # noqa: E402
 
 from colossalai.data import CorpusTokenizer  # noqa: E402
 from colossalai.models import model_family  # noqa: E402
@@ -40,6 +41,11 @@ def _runs(root):
     hf_out = ["--adapter-out", str(root / "ad-hf"), "--merge-out", str(root / "merged-hf")]
     out = {"hf": _cli(*FINETUNE, "--plugin", "ddp", "--base", str(root / "hf"), "--corpus", str(root / "corpus"),
                       "--steps", "3", *hf_out)}  # fmt: skip
+    hf_llama().save_pretrained(root / "llama")  # a SentencePiece-style tokenizer.json (Llama 2's kind)
+    (root / "llama" / "tokenizer.json").write_text(sentencepiece_like(CORPUS, 320), encoding="utf-8")
+    llama_out = ["--adapter-out", str(root / "ad-llama"), "--merge-out", str(root / "merged-llama")]
+    out["llama"] = _cli(*FINETUNE, "--plugin", "hybrid", "--tp-size", "2", "--nproc", "2", "--base",
+                        str(root / "llama"), "--corpus", str(root / "corpus"), "--steps", "2", *llama_out)  # fmt: skip
     plugins = {"gemini": ["--plugin", "gemini", "--device-budget", "3MiB"], "zero3": ["--plugin", "zero",
                "--zero-stage", "3"], "hybrid": ["--plugin", "hybrid", "--tp-size", "2"]}  # fmt: skip
     for name, plugin in plugins.items():
@@ -57,6 +63,33 @@ def hf_gpt2():
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=32, bos_token_id=0,
                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
+
+
+def hf_llama():
+    import transformers
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=32,
+                                      use_cache=False)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_llama_folder_with_a_sentencepiece_tokenizer_fine_tunes_under_tensor_parallelism(runs):
+    """Llama 2's kind of tokenizer.json (byte fallback, word markers) encodes the corpus, under the
+    hybrid plugin (tp2); the adapter and the merged folder load in peft / transformers alike."""
+    import transformers
+
+    root, out = runs
+    assert "hf:BPE, 320 ids" in out["llama"] and "Hugging Face llama" in out["llama"]
+    assert "on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in out["llama"]
+    lora = peft.PeftModel.from_pretrained(
+        transformers.LlamaForCausalLM.from_pretrained(root / "llama"), root / "ad-llama"
+    )
+    merged = transformers.LlamaForCausalLM.from_pretrained(root / "merged-llama")
+    x = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(merged(x).logits, lora(x).logits, rtol=1e-5, atol=1e-5)
+    assert (root / "merged-llama" / "tokenizer.json").read_text() == (root / "llama" / "tokenizer.json").read_text()
 
 
 def test_a_hugging_face_folder_fine_tunes_and_merges_as_peft_merges(runs):
@@ -129,7 +162,7 @@ def test_finetune_resumes_and_its_merge_is_a_base(runs, monkeypatch):
     [
         (["--base", "{root}/corpus"], "is neither a colossalai train checkpoint"),
         (["--base", "{root}/exp", "--seq-len", "64"], "--seq-len 64 exceeds the 32 positions"),
-        (["--base", "{root}/exp", "--plugin", "hybrid", "--pp-size", "2"], "got --pp-size 2, --ep-size 1"),
+        (["--base", "{root}/exp", "--plugin", "hybrid", "--tp-size", "4", "--tp-mode", "2d"], "got --tp-mode 2d"),
         (["--base", "{root}/exp", "--export", "{root}/x"], "--export writes a train run's model"),
         (["--base", "{root}/exp", "--lora-rank", "0"], "--lora-rank must be >= 1, got 0"),
         (["--base", "{root}/exp", "--corpus", "{root}/nothing"], "--corpus {root}/nothing: no such file"),

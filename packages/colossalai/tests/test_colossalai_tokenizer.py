@@ -115,3 +115,43 @@ def test_default_run_vocabulary_decodes_a_sample():
         out = model.generate(tok.encode("def").view(1, -1), 40, temperature=1.0, top_k=None, generator=gen)
     text = tok.decode(out[0])
     assert text.startswith("def") and len(text) > 40 and tok.decode(tok.encode(text)) == text
+
+
+def sentencepiece_like(text: str, vocab_size: int = 512) -> str:
+    """A ``tokenizer.json`` shaped like a converted SentencePiece model (Llama 2, Mistral): BPE over
+    ``▁``-marked words with byte fallback (``<0x00>``..``<0xFF>``), ``<unk>``/``<s>``/``</s>``, a
+    ``<s>`` added in front by the post-processor, decoded by Replace / ByteFallback / Fuse / Strip."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    tok.train_from_iterator([text], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok.to_str()
+
+
+def test_a_sentencepiece_style_tokenizer_json_encodes_and_decodes_as_tokenizers_does():
+    """[Note: any tokenizer.json]: what ``tokenizers`` gives, without the added ``<s>`` (the corpus
+    is one stream), and text outside the learned alphabet through the byte-fallback pieces."""
+    from tokenizers import Tokenizer
+
+    spec = sentencepiece_like(bytes(load_corpus(20_000).numpy()).decode("utf-8", errors="replace"))
+    tok, ref = CorpusTokenizer(1024, spec), Tokenizer.from_str(spec)
+    assert tok.kind == "hf:BPE" and tok.learned == ref.get_vocab_size() <= 1024
+    text = "def greet(name):\n    return 'héllo ' + name  # ünïcode ✓"
+    ids = tok.encode(text)
+    assert ids.tolist() == ref.encode(text, add_special_tokens=False).ids
+    assert ref.encode(text).ids[0] == 1 and ids[0] != 1  # the post-processor's <s>, left out
+    assert any(ref.id_to_token(i).startswith("<0x") for i in ids.tolist())  # byte fallback was used
+    assert tok.decode(ids) == text == ref.decode(ids.tolist(), skip_special_tokens=False)
+    corpus = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    assert tok.encode_corpus(corpus).tolist() == ids.tolist()
+    assert tok.decode(torch.cat([ids, torch.tensor([1000])])) == text  # a padding id decodes to nothing
+    assert CorpusTokenizer.from_json(tok.to_json()) == tok
+    with pytest.raises(ValueError, match="the tokenizer has .* tokens, more than vocab_size 300"):
+        CorpusTokenizer(300, spec)

@@ -405,6 +405,8 @@ class PipelineParallel:
         (which keeps what it held before the step)."""
         for (name, peer), before in zip(self._tied, saved, strict=True):
             p = self._named[name]
+            if not p.requires_grad:  # frozen (a LoRA base's tied embedding): no gradient, as in plain PyTorch
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             mine = p.grad if before is None else p.grad - before

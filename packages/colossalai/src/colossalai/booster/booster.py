@@ -423,15 +423,15 @@ class Booster:
         is not a ``peft.LoraConfig``; ``ValueError`` naming the values for ``target_modules`` that
         match no module, a rank ``r`` above ``min(in_features, out_features)`` of a targeted layer,
         and (a given PeftModel) base parameters that still require grad. Needs the ``lora`` extra
-        (``pip install 'colossal-stack[lora]'``). Under the hybrid plugin LoRA composes with 1D tensor
-        parallelism, sequence parallelism and dp (``[Note: LoRA under 1D tensor parallelism]`` in
-        :mod:`colossalai.booster.hybrid.adapters`); ``NotImplementedError`` with pipeline or expert
-        parallelism or a ``tp_mode`` other than 1d."""
+        (``pip install 'colossal-stack[lora]'``). Under the hybrid plugin LoRA composes with 1D tensor,
+        sequence, pipeline and expert parallelism and dp (``[Note: LoRA under 1D tensor
+        parallelism]`` in :mod:`colossalai.booster.hybrid.adapters`); ``NotImplementedError`` for a
+        ``tp_mode`` other than 1d."""
         from colossalai.booster.hybrid.adapters import check_lora_layout
 
         if getattr(self.plugin, "name", None) == "hybrid":
             p = self.plugin
-            check_lora_layout(tp_mode=p.tp_mode if p.tp_size > 1 else "1d", pp_size=p.pp_size, ep_size=p.ep_size)
+            check_lora_layout(tp_mode=p.tp_mode if p.tp_size > 1 else "1d")
         return lora.enable_lora(model, lora_config)
 
     def save_lora_as_pretrained(self, model: BoostedModel, folder: str | os.PathLike) -> pathlib.Path:

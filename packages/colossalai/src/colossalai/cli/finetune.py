@@ -15,9 +15,11 @@ fine-tuning run, profiling, TensorBoard, the sample) is ``train``'s own code.
 
 A Hugging Face folder (``config.json``, safetensors weights, a ``tokenizer.json``) is built with
 ``AutoModelForCausalLM.from_config`` and loaded the same way (``Booster.load_pretrained``). Its
-tokenizer must be a byte-level BPE (GPT-2's kind, which :class:`~colossalai.data.CorpusTokenizer`
-reads: GPT-2, GPT-NeoX, Llama 3, Qwen and ``train --export`` folders use one); the adapter goes on
-every linear layer but the output head (``peft``'s ``"all-linear"``) unless ``--lora-targets`` says.
+``tokenizer.json`` encodes the corpus through ``tokenizers`` whatever its kind: a byte-level BPE
+(GPT-2, GPT-NeoX, Llama 3, Qwen, ``train --export`` folders) or a converted SentencePiece model
+(Llama 2, Mistral; ``[Note: any tokenizer.json]`` in :mod:`colossalai.data.tokenizer`); the
+adapter goes on every linear layer but the output head (``peft``'s ``"all-linear"``) unless
+``--lora-targets`` says.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def read_base(path: str | pathlib.Path) -> BaseModel:
 
 
 def _hf_base(path: pathlib.Path) -> BaseModel:
-    """A Hugging Face causal LM folder as a base: its config, its byte-level BPE tokenizer, its size."""
+    """A Hugging Face causal LM folder as a base: its config, its ``tokenizer.json``, its size."""
     import transformers
 
     from colossalai.checkpoint import SafetensorsReader
@@ -172,13 +174,16 @@ def _hf_base(path: pathlib.Path) -> BaseModel:
         raise ValueError(f"--base {path}: config.json is not a transformers config: {exc}") from None
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise ValueError(f"--base {path}: a Hugging Face folder needs its tokenizer.json (a byte-level BPE)")
+        raise ValueError(
+            f"--base {path}: a Hugging Face folder needs its tokenizer.json (a slow tokenizer alone, such as a "
+            "SentencePiece tokenizer.model, is not read: save the fast tokenizer with transformers first)"
+        )
     try:
         tokenizer = CorpusTokenizer(config.vocab_size, tokenizer_file.read_text(encoding="utf-8"))
-    except (KeyError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001  (tokenizers raises a bare Exception for a malformed file)
         raise ValueError(
-            f"--base {path}: tokenizer.json is not a byte-level BPE of at most {config.vocab_size} ids "
-            f"(GPT-2's kind; a SentencePiece tokenizer is not read yet): {exc!r}"
+            f"--base {path}: tokenizer.json is not a tokenizer of at most {config.vocab_size} ids "
+            f"(config.vocab_size): {exc}"
         ) from None
     block = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if not block:

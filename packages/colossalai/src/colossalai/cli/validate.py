@@ -293,8 +293,8 @@ def validate_train(args: argparse.Namespace, world: int | None = None, *, builti
 
 def validate_finetune(args: argparse.Namespace, world: int | None = None) -> list[str]:
     """Check every ``finetune`` option: the base (its model options are set from it), the LoRA
-    options, the plugin (LoRA runs under ddp, fsdp, zero, gemini and hybrid without pp / ep), then everything ``train``
-    checks; returns warnings, raises :class:`UsageError` for the first bad one."""
+    options, the plugin (LoRA runs under ddp, fsdp, zero, gemini and hybrid with a 1D tp mode),
+    then everything ``train`` checks; returns warnings, raises :class:`UsageError` for the first bad one."""
     from colossalai.cli.finetune import apply_base
 
     if args.export is not None:
@@ -302,11 +302,10 @@ def validate_finetune(args: argparse.Namespace, world: int | None = None) -> lis
             "--export writes a train run's model; finetune writes --adapter-out (the adapter, PEFT's layout) "
             "and --merge-out (the base with the adapter merged in)"
         )
-    if args.plugin == "hybrid" and (args.pp_size > 1 or args.ep_size > 1 or args.tp_mode != "1d"):
+    if args.plugin == "hybrid" and args.tp_mode != "1d":
         raise UsageError(
-            f"finetune --plugin hybrid runs LoRA with --tp-size (--tp-mode 1d), --sp-size and dp; got --pp-size "
-            f"{args.pp_size}, --ep-size {args.ep_size}, --tp-mode {args.tp_mode} (pipeline and expert parallelism "
-            "are not supported with LoRA yet)"
+            f"finetune --plugin hybrid splits LoRA adapters with --tp-mode 1d, got --tp-mode {args.tp_mode} "
+            "(2D-3D tensor parallelism is not supported with LoRA yet)"
         )
     if args.lora_rank < 1:
         raise UsageError(f"--lora-rank must be >= 1, got {args.lora_rank}")

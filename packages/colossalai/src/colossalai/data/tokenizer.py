@@ -16,6 +16,14 @@ The model's vocabulary is ``vocab_size`` ids whatever the corpus gives: on a sma
 trainer may find fewer merges, and the ids it leaves unused are padding (never a target, decoded as
 nothing), so the model's shape, and hence the tensor-parallel split of the vocabulary, depends on
 the option only.
+
+[Note: any tokenizer.json]
+A Hugging Face base brings its own ``tokenizer.json``: GPT-2's byte-level BPE, or a SentencePiece
+model converted to ``tokenizers`` (Llama 2, Mistral: a BPE over ``▁``-marked words with byte
+fallback; T5-style Unigram). Any of them encodes through ``tokenizers`` (no special tokens added:
+the corpus is one stream of text). A byte-level vocabulary also decodes through its byte table (a
+sample cut inside a character keeps its bytes as ``\\xNN``); another one decodes with the
+tokenizer's own decoder, which spells byte-fallback pieces and word markers back as text.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class CorpusTokenizer:
-    """Text <-> token ids for the corpus models: bytes (``vocab_size`` 256) or a byte-level BPE.
+    """Text <-> token ids for the corpus models: bytes (``vocab_size`` 256), a byte-level BPE, or
+    any Hugging Face ``tokenizer.json`` (``[Note: any tokenizer.json]``).
 
     Build one with :meth:`train` (from the corpus bytes) or :meth:`from_json` (from a checkpoint);
     ``decode(encode(text)) == text`` for every string. See ``[Note: why a learned subword
@@ -64,21 +73,27 @@ class CorpusTokenizer:
         self._bpe = None
         self._bpe_json = bpe_json
         table = [bytes([b]) for b in range(BYTE_VOCAB_SIZE)]
+        self._learned = BYTE_VOCAB_SIZE
         if bpe_json is not None:
             from tokenizers import Tokenizer
 
             self._bpe = Tokenizer.from_str(bpe_json)
-            table = self._byte_table(self._bpe.get_vocab())
-            if len(table) > vocab_size:
-                raise ValueError(f"the BPE has {len(table)} tokens, more than vocab_size {vocab_size}")
-        self._table = table  # id -> its bytes
+            vocab = self._bpe.get_vocab()
+            self._learned = max(vocab.values(), default=-1) + 1
+            table = self._byte_table(vocab)  # None: not byte-level ([Note: any tokenizer.json])
+            if self._learned > vocab_size:
+                raise ValueError(f"the tokenizer has {self._learned} tokens, more than vocab_size {vocab_size}")
+        self._table = table  # id -> its bytes (byte-level vocabularies)
 
     @staticmethod
-    def _byte_table(vocab: dict[str, int]) -> list[bytes]:
-        """id -> bytes of every learned token (their strings are in the byte-to-unicode alphabet)."""
+    def _byte_table(vocab: dict[str, int]) -> list[bytes] | None:
+        """id -> bytes of every learned token when their strings are in the byte-to-unicode
+        alphabet (a byte-level BPE), else ``None``."""
         to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
-        table = [b""] * len(vocab)
+        table = [b""] * (max(vocab.values(), default=-1) + 1)
         for piece, i in vocab.items():
+            if any(ch not in to_byte for ch in piece):
+                return None
             table[i] = bytes(to_byte[ch] for ch in piece)
         return table
 
@@ -108,25 +123,28 @@ class CorpusTokenizer:
     @property
     def learned(self) -> int:
         """Ids that stand for text (the rest up to :attr:`vocab_size` are padding)."""
-        return len(self._table)
+        return self._learned
 
     @property
     def kind(self) -> str:
-        """'bytes' or 'bpe' (for summaries)."""
-        return "bytes" if self._bpe is None else "bpe"
+        """'bytes', 'bpe' (byte-level) or, for another ``tokenizer.json``, ``'hf:'`` and its model
+        (``'hf:BPE'`` for a SentencePiece-style BPE, ``'hf:Unigram'``), for summaries."""
+        if self._bpe is None:
+            return "bytes"
+        return "bpe" if self._table is not None else f"hf:{type(self._bpe.model).__name__}"
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids (N,) of ``text`` (long)."""
         if self._bpe is None:
             return _encode_bytes(text)
-        return torch.tensor(self._bpe.encode(text).ids, dtype=torch.long)
+        return torch.tensor(self._bpe.encode(text, add_special_tokens=False).ids, dtype=torch.long)
 
     def encode_corpus(self, corpus: torch.Tensor) -> torch.Tensor:
         """The corpus (uint8 UTF-8 bytes, (N,)) as token ids: uint8 for bytes, else int32 (M,)."""
         if self._bpe is None:
             return corpus
         text = bytes(corpus.numpy()).decode("utf-8", errors="replace")
-        return torch.tensor(self._bpe.encode(text).ids, dtype=torch.int32)
+        return torch.tensor(self._bpe.encode(text, add_special_tokens=False).ids, dtype=torch.int32)
 
     def decode(self, tokens: torch.Tensor) -> str:
         """Token ids (any shape) back to text. A model may emit a sequence that is not valid UTF-8
@@ -136,6 +154,8 @@ class CorpusTokenizer:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got {bad[:5]}")
+        if self._table is None:  # the tokenizer's own decoder (byte fallback, word markers)
+            return self._bpe.decode([i for i in ids if i < self._learned], skip_special_tokens=False)
         table, n = self._table, len(self._table)
         data = b"".join(table[i] for i in ids if i < n)
         return data.decode("utf-8", errors="backslashreplace")

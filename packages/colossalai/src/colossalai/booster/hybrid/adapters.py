@@ -1,4 +1,4 @@
-"""LoRA adapters under 1D tensor parallelism: a ``peft`` model converted by the hybrid plugin.
+"""LoRA adapters under the hybrid plugin: a ``peft`` model split by 1D tensor parallelism (and sp, pp, ep).
 
 [Note: LoRA under 1D tensor parallelism]
 The tensor-parallel plan (a policy's, or the user's ``plan=``) names the modules of the *base*
@@ -20,13 +20,21 @@ puts each LoRA layer back around its converted base layer and splits the adapter
   dense one (``lora_B``'s identical on every rank).
 * a base that stays replicated (an embedding, a norm, a head): its adapter stays replicated.
 
+The other axes need little of their own. Sequence parallelism: the adapter is replicated over
+``sp`` and averaged as any parameter. Pipeline parallelism cuts the *base* model's blocks (the
+stages name parameters from the base, :func:`base_prefix` maps them back); LoRA layers travel with
+their blocks, and a frozen tied embedding gets no gradient on either stage. Expert parallelism
+splits the expert layers as frozen base weights; an adapter inside one is refused
+(:func:`check_frozen_experts`).
+
 Each adapter keeps peft's names (``...q_proj.lora_B.default.weight``), so the plugin's
 checkpoints hold the dense adapter under those names (1D: DTensors ``Shard(0)`` / ``Shard(1)``;
 GPT-2's permuted rows: the shard index maps) and ``peft.PeftModel.from_pretrained`` reads what
 ``save_lora_as_pretrained`` writes. Parameters that were frozen before the conversion (the whole
-base) stay frozen after it: the tensor-parallel layers are new modules whose parameters would
-otherwise require grad. Supported: plain LoRA on linear layers (``Linear``, GPT-2's ``Conv1D``);
-DoRA, LoRA biases and adapters of a base split some other way raise ``NotImplementedError``.
+base) stay frozen after it: the tensor-parallel and expert-parallel layers are new modules whose
+parameters would otherwise require grad, so the plugin freezes them again by name after every
+axis. Supported: plain LoRA on linear layers (``Linear``, GPT-2's ``Conv1D``); DoRA, LoRA biases
+and adapters of a base split some other way raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["check_lora_layout", "convert_with_adapters", "lora_base"]
+__all__ = ["base_prefix", "check_frozen_experts", "check_lora_layout", "convert_with_adapters", "lora_base"]
 
 
 def lora_base(model: nn.Module) -> nn.Module:
@@ -46,18 +54,45 @@ def lora_base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if is_peft_model(model) else model
 
 
-def check_lora_layout(*, tp_mode: str, pp_size: int, ep_size: int) -> None:
-    """``NotImplementedError`` (before any collective, on every rank) for a layout that LoRA
-    adapters cannot be split in yet: tp modes other than 1D, pipeline and expert parallelism."""
-    bad = {"pp_size": pp_size, "ep_size": ep_size}
-    shown = ", ".join(f"{k}={v}" for k, v in bad.items() if v > 1)
-    if shown:
-        raise NotImplementedError(
-            f"LoRA under HybridParallelPlugin({shown}) is not supported yet: LoRA composes with tp_size "
-            "(tp_mode '1d'), sp_size and dp (zero_stage 0-2)"
-        )
+def base_prefix(model: nn.Module) -> str:
+    """What the names of :func:`lora_base` lack of ``model``'s (``"base_model.model."`` for a peft model)."""
+    base = lora_base(model)
+    if base is model:
+        return ""
+    return next(n for n, m in model.named_modules() if m is base) + "."
+
+
+def check_lora_layout(*, tp_mode: str) -> None:
+    """``NotImplementedError`` (before any collective, on every rank) for a tensor-parallel mode
+    that LoRA adapters cannot be split in yet (2D, 2.5D, 3D: their blocks are not one split of a
+    linear layer's rows or columns)."""
     if tp_mode != "1d":
-        raise NotImplementedError(f"LoRA under tensor parallelism: tp_mode '1d' (got {tp_mode!r})")
+        raise NotImplementedError(
+            f"LoRA under tensor parallelism needs tp_mode '1d' (got {tp_mode!r}); LoRA composes with 1D tp, "
+            "sp, pp, ep and dp (zero_stage 0-2)"
+        )
+
+
+def check_frozen_experts(model: nn.Module, expert_layers) -> None:
+    """Expert parallelism of a ``peft`` model: its expert layers (``expert_layers(model)``: name ->
+    layer, found with every LoRA layer swapped back for its base layer) split over ``ep`` as frozen
+    base weights; a LoRA adapter inside one raises ``NotImplementedError`` naming it (adapt the
+    attention, or the layers outside the experts)."""
+    from colossalai.booster.lora import is_peft_model
+
+    if not is_peft_model(model):
+        return
+    prefix = base_prefix(model)
+    with _base_layers_in_place(model) as layers:
+        experts = list(expert_layers(model))
+    inside = sorted(
+        prefix + n for n in layers if any((prefix + n).startswith(e + ".") or prefix + n == e for e in experts)
+    )
+    if inside:
+        raise NotImplementedError(
+            f"LoRA under expert parallelism adapts the layers outside the experts; these are inside expert layers "
+            f"split over ep: {inside[:4]}{' ...' if len(inside) > 4 else ''}"
+        )
 
 
 def _adapted(model: nn.Module) -> dict[str, nn.Module]:
@@ -164,18 +199,13 @@ def _base_layers_in_place(model: nn.Module):
 
 def convert_with_adapters(model: nn.Module, convert_base, group) -> None:
     """Run ``convert_base(base_model)`` (the 1D conversion of a plan and/or a policy) on ``model``,
-    a ``peft`` model or not, keeping frozen parameters frozen; a ``peft`` model's adapters are
-    split to match their converted base layers (``[Note: LoRA under 1D tensor parallelism]``)."""
+    a ``peft`` model or not; a ``peft`` model's adapters are split to match their converted base
+    layers (``[Note: LoRA under 1D tensor parallelism]``)."""
     from colossalai.booster.lora import is_peft_model
 
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if not is_peft_model(model):
-        convert_base(model)
-    else:
-        with _base_layers_in_place(model) as layers:
-            convert_base(lora_base(model))
-        for name, (layer, before) in layers.items():
-            _split_adapter(name, layer, group, converted=layer.base_layer is not before)
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if n in frozen:
-            p.requires_grad_(False)
+        return convert_base(model)
+    with _base_layers_in_place(model) as layers:
+        convert_base(lora_base(model))
+    for name, (layer, before) in layers.items():
+        _split_adapter(name, layer, group, converted=layer.base_layer is not before)

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from colossalai.booster.ddp_plugin import materialize_
-from colossalai.booster.hybrid.adapters import check_lora_layout
+from colossalai.booster.hybrid.adapters import base_prefix, check_frozen_experts, check_lora_layout, lora_base
 from colossalai.booster.hybrid.dp import apply_ddp, dp_group
 from colossalai.booster.hybrid.ep import (
     ExpertParallel,
@@ -51,6 +51,7 @@ from colossalai.booster.hybrid.ep import (
     apply_expert_parallel,
     check_ep,
     expert_free_replicas,
+    expert_layers,
 )
 from colossalai.booster.hybrid.ep_zero import ExpertZeroOptimizer
 from colossalai.booster.hybrid.plans import check_user_plan, model_plan
@@ -184,6 +185,7 @@ class HybridParallelPlugin(Plugin):
         self.pp_size, self.pp_schedule, self.pp_virtual = pp_size, pp_schedule, pp_virtual
         self.num_microbatches = pp_size if num_microbatches is None else num_microbatches
         self._pipe, self._precision = None, None  # colossal.pipeline.PipelineParallel when pp_size > 1
+        self._pp_prefix = ""  # the pipeline's parameter names + this = the model's (a peft model: its base's prefix)
         self._pp_inputs: tuple | None = None  # a Hugging Face pipeline's (first input, extra inputs)
         self._scaler = None  # fp16 under pp: the loss is scaled inside the pipeline
         self._aux_sink: list | None = None  # pp: MoE aux losses backpropagated this step (add_moe_aux_losses)
@@ -238,8 +240,9 @@ class HybridParallelPlugin(Plugin):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         if is_peft_model(model):  # before any collective: what LoRA adapters compose with
-            mode = self.tp_mode if self.tp_size > 1 else "1d"
-            check_lora_layout(tp_mode=mode, pp_size=self.pp_size, ep_size=self.ep_size)
+            check_lora_layout(tp_mode=self.tp_mode if self.tp_size > 1 else "1d")
+            if self.ep_size > 1:
+                check_frozen_experts(model, expert_layers)
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
             check_ep(model, self.ep_size, self.dp_size() * self.sp_size, self.sp_size)
         plan = model_plan(
@@ -257,10 +260,11 @@ class HybridParallelPlugin(Plugin):
             )  # fmt: skip
         if pp_cfg is not None and any(t.is_meta for t in model.parameters()):  # only this rank's stages
             hf = policy if getattr(policy, "pp_blocks", None) is not None else None
-            materialize_stages(model, mesh, pp_cfg, self.device, hf)
+            materialize_stages(lora_base(model), mesh, pp_cfg, self.device, hf)
         else:
             model = materialize_(model, self.device)
         self._dense_shapes = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         self._precision = precision
         with torch.profiler.record_function("colossalai.booster::hybrid_parallelize"):
             wrapped, gather = model, None
@@ -274,12 +278,17 @@ class HybridParallelPlugin(Plugin):
                 self._ep = apply_expert_parallel(model, self.ep_size, dp_group(mesh, self.sp_size), wrapped)
             if self.pp_size > 1:  # 4. pp cuts the converted model into this rank's stages
                 sp = mesh.group("sp") if self.sp_size > 1 else None
-                self._pipe = apply_pp(model, mesh, pp_cfg, gather=gather, sp=sp, device=self.device, policy=policy)
+                base = lora_base(model)  # a peft model: its base's blocks (the stages name parameters from there)
+                self._pipe = apply_pp(base, mesh, pp_cfg, gather=gather, sp=sp, device=self.device, policy=policy)
+                self._pp_prefix = base_prefix(model)
                 if getattr(policy, "pp_blocks", None) is not None:
                     from colossalai.policies.hf_pipeline import PIPELINE_INPUTS
 
                     self._pp_inputs = PIPELINE_INPUTS[policy.model_type]
                 wrapped = PipelineModule(model, self._pipe)
+        for n, p in model.named_parameters(remove_duplicate=False):  # the axes' new layers (tp, ep) start trainable
+            if n in frozen:
+                p.requires_grad_(False)
         rebind_optimizer(optimizer, names, model)
         if self._pipe is not None and optimizer is not None:  # only the parameters of this rank's stages
             for group in optimizer.param_groups:
@@ -303,7 +312,7 @@ class HybridParallelPlugin(Plugin):
             dp, tp = self.dp_size(), self.tp_size
             return ExpertPipelineOptimizer(optimizer, model, self._ep, replicas, dp, tp, self._scaler)
         if self._pipe is not None:
-            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
+            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size, self._pp_prefix)
             norm_group = mesh.product_group("pp", "tp") if "tp" in mesh.axes else mesh.group("pp")
             self._scaler = _fp16_scaler() if precision is Precision.FP16 else None  # scales inside the pipeline
             return PipelineOptimizer(optimizer, replicas, norm_group, self._scaler)
@@ -396,7 +405,7 @@ class HybridParallelPlugin(Plugin):
         target = stage_view(model) if self._pipe is not None else model
         self._zero, self._zero_names = zero_engine(target, optimizer, self.zero_stage, group)
         if self._pipe is not None:
-            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size)
+            replicas = replicas_over_pp_tp(self._pipe, self._dense_shapes, self.tp_size, self._pp_prefix)
             return HybridZeroOptimizer(self._zero, replicas, group=None)
         if self.tp_size == 1:  # ZeRO's own clip spans every rank
             return HybridZeroOptimizer(self._zero)

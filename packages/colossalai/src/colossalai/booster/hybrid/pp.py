@@ -198,12 +198,13 @@ class PipelineModule(nn.Module):
         )
 
 
-def replicas_over_pp_tp(pipe, dense_shapes: dict[str, torch.Size], tp_size: int) -> dict[int, int]:
-    """parameter id -> ranks of the pp x tp group holding each of its elements."""
+def replicas_over_pp_tp(pipe, dense_shapes: dict[str, torch.Size], tp_size: int, prefix: str = "") -> dict[int, int]:
+    """parameter id -> ranks of the pp x tp group holding each of its elements (``prefix``: what the
+    pipeline's parameter names lack of ``dense_shapes``' names, a peft model's base prefix)."""
     named = dict(pipe.named_parameters())
     tied = {id(named[n]) for n in pipe.tied_names}
     return {
-        id(p): multiplicity(p, dense_shapes[n], tp_size) * (2 if id(p) in tied else 1)
+        id(p): multiplicity(p, dense_shapes[prefix + n], tp_size) * (2 if id(p) in tied else 1)
         for n, p in pipe.named_parameters()
     }
 

@@ -31,7 +31,7 @@ def apply_tp(model: nn.Module, mesh, mode: str, depth: int, plan: ModelPlan) -> 
     layouts that are not one contiguous split per parameter), built from the dense model first.
     A model holding meta tensors (other pipeline stages') has only its real modules converted; a
     ``peft`` model has its base converted and its adapters split to match (``[Note: LoRA under 1D
-    tensor parallelism]`` in :mod:`.adapters`); frozen parameters stay frozen."""
+    tensor parallelism]`` in :mod:`.adapters`)."""
     from colossal.tensor_parallel import parallelize
 
     target = mesh.group("tp") if mode == "1d" else mesh.layout(mode, "tp", depth=depth)
