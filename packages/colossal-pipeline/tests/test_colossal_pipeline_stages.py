@@ -79,6 +79,33 @@ def test_split_backward_equals_backward():
         assert rel_err(a.grad, b.grad) <= 1e-6, n
 
 
+def test_deferred_weight_gradients_reach_post_accumulate_hooks_and_buffer_views():
+    """[Note: deferred gradients through autograd]: an engine that reduces in post-accumulate-grad
+    hooks (ZeRO) sees the flushed weight gradients, accumulated in place into its ``.grad`` views;
+    a frozen weight is neither computed nor given a gradient."""
+    torch.manual_seed(0)
+    ref = TinyGPT(tied=True)
+    model = copy.deepcopy(ref)
+    model.blocks[1].fc.weight.requires_grad_(False)
+    ref.blocks[1].fc.weight.requires_grad_(False)
+    store = WeightGradStore()
+    store.patch(model)
+    seen = []
+    fc = model.blocks[0].fc.weight
+    fc.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    fc.grad = torch.zeros_like(fc)  # an engine's view of its flat buffer: added to in place
+    slot = fc.grad.data_ptr()
+    idx, tgt = batch(0)
+    lm_loss(ref(idx), tgt).backward()
+    with store.capture("mb0"):
+        lm_loss(model(idx), tgt).backward()
+    before = len(seen)  # (autograd may run the hook with nothing added in the input-gradient pass)
+    assert not fc.grad.any()  # deferred: nothing accumulated yet
+    store.flush("mb0")
+    assert len(seen) == before + 1 and rel_err(seen[-1], ref.blocks[0].fc.weight.grad) <= 1e-6
+    assert fc.grad.data_ptr() == slot and model.blocks[1].fc.weight.grad is None
+
+
 @pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (2, 2)])
 def test_meta_model_gets_the_dense_values_of_its_own_stages_only(p, v):
     """[Note: same initial values as a dense build]: each rank's tensors equal the dense

@@ -11,7 +11,10 @@ batches everywhere:
 - ``colossal-gemini``: ``Booster(GeminiPlugin(placement="auto"))`` with a device budget of 48 MiB per
   rank, under half of the frozen base's shard (the base streams between tiers every step; a budget
   holds the gathered chunks of the operators in flight and the activations, which do not shrink
-  with the number of ranks).
+  with the number of ranks),
+- ``colossal-tp2``: ``Booster(HybridParallelPlugin(tp_size=2))``, 1D tensor parallelism: each rank
+  holds half of every split layer of the frozen base and its adapter, and both ranks run the same
+  ``2 x --batch`` rows (the tokens per step of the other configurations).
 
 Each configuration runs in fresh processes (``run_distributed``). Memory is each rank's resident set
 on a CPU machine (the allocator's bytes on CUDA): ``after setup`` is what the engine keeps once the
@@ -39,7 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
-CONFIGS = ["deepspeed-zero3", "colossal-zero3", "colossal-gemini"]
+CONFIGS = ["deepspeed-zero3", "colossal-zero3", "colossal-gemini", "colossal-tp2"]
 TARGETS = ["c_attn", "c_proj", "c_fc"]
 
 
@@ -90,6 +93,12 @@ def _batches(args, rank: int, device) -> list[torch.Tensor]:
     return [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(args.steps)]
 
 
+def _both_ranks_batches(args, device) -> list[torch.Tensor]:
+    """Every rank's rows together (tensor parallelism: the two ranks run the same batch)."""
+    parts = [_batches(args, rank, device) for rank in range(2)]
+    return [torch.cat(rows) for rows in zip(*parts, strict=True)]
+
+
 def _deepspeed(args, base, lora):
     import deepspeed
     import peft
@@ -132,7 +141,7 @@ def _colossal(args, base, lora, plugin):
 
 
 def _run(config: str, args) -> dict:
-    from colossalai import GeminiPlugin, ZeroPlugin
+    from colossalai import GeminiPlugin, HybridParallelPlugin, ZeroPlugin
 
     gemini = None
     if config.startswith("deepspeed"):
@@ -145,13 +154,15 @@ def _run(config: str, args) -> dict:
         step, device = _deepspeed(args, base, lora)
     elif config == "colossal-zero3":
         step, device = _colossal(args, base, lora, ZeroPlugin(stage=3))
+    elif config == "colossal-tp2":
+        step, device = _colossal(args, base, lora, HybridParallelPlugin(tp_size=2))
     else:
         gemini = GeminiPlugin(placement="auto", device_memory_budget=args.gemini_budget, chunk_size=args.chunk_size)
         step, device = _colossal(args, base, lora, gemini)
     del base
     gc.collect()
     after_setup = _rss() - baseline
-    batches = _batches(args, dist.get_rank(), device)
+    batches = _both_ranks_batches(args, device) if config == "colossal-tp2" else _batches(args, dist.get_rank(), device)
     losses = [step(batches[0]).item()]  # warm-up
     _reset_peak()
     times = []

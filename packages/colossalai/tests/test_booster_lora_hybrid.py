@@ -7,7 +7,9 @@ row-parallel) and the ``colossalai`` GPT (q/k/v column-parallel under a ``HEADS`
 all-reduces their shared input gradient once, its vocabulary-parallel head) train 3 AdamW steps
 (fp32). Each dp replica reads its share of the global batch
 (tp and sp peers the same rows), so every layout computes the reference's loss. Losses match to
-1e-5 relative; the frozen base weights are bitwise unchanged.
+1e-5 relative; the frozen base weights are bitwise unchanged and never get a gradient. Adapter
+folders go both ways with plain ``peft`` under tp2 (and ZeRO-3), a whole LoRA checkpoint from tp2
+into ZeRO-3 and pp2; layouts and adapters that cannot be split are refused before any collective.
 
 [Note: adapter weights and summation order]
 Adam moves each element by ``lr * m / (sqrt(v) + eps)``, the gradient divided by its own size, so
@@ -184,6 +186,12 @@ def _runs(names, root, plain):
     out = {name: _train(*CASES[name][::2])[2] for name in names}
     if dist.get_world_size() != 2:
         return out
+    try:  # an adapter on a layer tp splits some other way (the vocabulary-parallel embedding): refused, named
+        booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
+        model = booster.enable_lora(base_model("gpt"), peft.LoraConfig(r=2, target_modules=["q_proj", "wte"]))
+        booster.boost(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    except NotImplementedError as e:
+        out["vocab-embed"] = str(e)
     out["moe-dp2"], out["moe-ep2"] = (_moe_gpt_run({"tp_size": 1, "ep_size": ep}) for ep in (1, 2))
     x = batch(0)
     # Trained under tp2, saved as PEFT and merged: peft and transformers must read both.
@@ -191,6 +199,13 @@ def _runs(names, root, plain):
     booster.save_lora_as_pretrained(model, root / "tp2-adapter")
     booster.save_merged_as_pretrained(model, root / "tp2-merged")
     out["tp2-logits"] = logits_of(model, x)
+    booster.save_model(model, root / "tp2-ckpt")  # the whole LoRA model: into ZeRO-3 and pp2
+    trained = {k: v.clone() for k, v in booster.plugin.full_model_state_dict(model.module).items()}
+    for name, plugin in (("zero3", ZeroPlugin(stage=3)), ("pp2", HybridParallelPlugin(tp_size=1, pp_size=2))):
+        booster, model, _ = _boost("gpt2", plugin)
+        out[f"ckpt-{name}-result"] = booster.load_model(model, root / "tp2-ckpt")
+        full = booster.plugin.full_model_state_dict(model.module)
+        out[f"ckpt-{name}-equal"] = sorted(k for k, v in trained.items() if not torch.equal(full[k], v))
     # A plain peft folder (LoRA on every linear layer) into models boosted under tp2 and ZeRO-3.
     for name, plugin in (("tp2", HybridParallelPlugin(tp_size=2)), ("zero3", ZeroPlugin(stage=3))):
         booster, model, _ = _boost("gpt2", plugin)
@@ -242,6 +257,14 @@ def test_adapter_trained_under_tp2_loads_in_plain_peft_and_merges(results):
     torch.testing.assert_close(logits_of(merged, batch(0)), out["tp2-logits"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["zero3", "pp2"])
+def test_a_lora_checkpoint_saved_under_tp2_loads_under_zero3_and_pp2(results, name):
+    _, out, _ = results
+    result = out[f"ckpt-{name}-result"]
+    assert not (result.missing or result.unexpected or result.mismatched)
+    assert out[f"ckpt-{name}-equal"] == []  # every tensor, base and adapter, bitwise
+
+
 @pytest.mark.parametrize("name", ["tp2", "zero3"])
 def test_plain_peft_adapter_loads_under_tp2_and_zero3(results, name):
     _, out, plain_model = results
@@ -263,6 +286,11 @@ def test_grid_tensor_parallel_modes_are_refused_before_boost(kwargs, message):
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     with pytest.raises(NotImplementedError, match=re.escape("LoRA")):
         Booster(plugin=HybridParallelPlugin(**kwargs)).boost(model, optim)
+
+
+def test_an_adapter_on_a_layer_split_otherwise_is_refused_naming_it(results):
+    assert re.search(r"'wte' became VocabParallelEmbedding1D; adapters follow column- and row-parallel linear",
+                     results[1]["vocab-embed"])  # fmt: skip
 
 
 def test_an_adapter_inside_the_experts_is_refused_under_expert_parallelism():

@@ -1,6 +1,7 @@
 """HybridParallelPlugin checkpoints are portable: saved by a 2D / 2.5D / 3D / sequence-parallel /
-tensor x sequence parallel layout (dense names, full logical tensors), resumed by another plugin or
-layout with the losses of an uninterrupted run; the exported safetensors load into a plain PyTorch GPT.
+tensor x sequence parallel / pipeline x tensor parallel layout (dense names, full logical tensors),
+resumed by another plugin or layout (a pipeline with ZeRO among them) with the losses of an
+uninterrupted run; the exported safetensors load into a plain PyTorch GPT.
 
 Tolerance: 1e-5 relative on the per-step mean loss (fp32; see test_colossalai_booster_hybrid.py).
 """
@@ -19,8 +20,11 @@ MATRIX = [  # ((world, plugin kwargs; {} = ddp) saving, (world, kwargs) resuming
     ((2, {}), (8, dict(tp_size=8, tp_mode="2.5d", tp_depth=2))),
     ((4, dict(tp_size=1, sp_size=2)), (8, dict(tp_size=8, tp_mode="3d"))),
     ((4, dict(tp_size=2, sp_size=2)), (2, dict(tp_size=2))),
+    ((4, dict(tp_size=2, pp_size=2)), (2, {})),
+    ((1, {}), (4, dict(tp_size=1, pp_size=2, zero_stage=1, pp_schedule="zero_bubble"))),
 ]
 IDS = ["hybrid2d4-to-ddp1", "ddp2-to-hybrid2.5d8", "hybrid-dp2xsp2-to-hybrid3d8", "hybrid-sp2xtp2-to-hybrid-tp2"]
+IDS += ["hybrid-pp2xtp2-to-ddp2", "ddp1-to-hybrid-pp2xdp2-zero1-zero_bubble"]
 
 
 @pytest.mark.parametrize("save,load", MATRIX, ids=IDS)

@@ -17,6 +17,14 @@ recomputes it in a pre-hook) and a parametrized module
 from ``original0/1`` on every access) keep their own forward; autograd gives their weight
 gradients in the input-gradient pass, exactly as in plain PyTorch, at the cost of less bubble
 removed. :attr:`WeightGradStore.kept` names them.
+
+[Note: deferred gradients through autograd]
+:meth:`WeightGradStore.flush` hands the deferred gradients to ``torch.autograd.backward`` on the
+parameters themselves (a leaf's backward is its ``AccumulateGrad``) rather than adding them to
+``.grad`` by hand: the parameters' post-accumulate-grad hooks then run, as they do for every other
+gradient, so an engine that reduces gradients from those hooks at the end of a backward pass
+(ZeRO's reducer over dp) sees the weight gradients too. Added by hand they were never reduced,
+and a ``.grad`` that is a view of ZeRO's flat buffer refused the in-place add.
 """
 
 from __future__ import annotations
@@ -31,13 +39,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["WeightGradStore"]
-
-
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -108,13 +109,19 @@ class WeightGradStore:
             self.queue = None
 
     def flush(self, key: object) -> None:
-        """Compute and accumulate the weight gradients deferred under ``key``."""
-        for x, grad_out, want_w, want_b, mod in self._queues.pop(key):
-            gw, gb = _weight_grads(x, grad_out, want_w, want_b and mod.bias is not None)
-            if gw is not None:
-                _accumulate(mod.weight, gw)
-            if gb is not None:
-                _accumulate(mod.bias, gb)
+        """Compute and accumulate the weight gradients deferred under ``key``: one autograd pass
+        over the parameters (``[Note: deferred gradients through autograd]``)."""
+        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.no_grad():
+            for x, grad_out, want_w, want_b, mod in self._queues.pop(key):
+                gw, gb = _weight_grads(x, grad_out, want_w, want_b and mod.bias is not None)
+                for param, g in ((mod.weight, gw), (mod.bias, gb)):
+                    if g is not None:
+                        seen = grads.get(id(param))
+                        grads[id(param)] = (param, g if seen is None else seen[1] + g)
+        if grads:
+            params, values = zip(*grads.values(), strict=True)
+            torch.autograd.backward(list(params), list(values))
 
     @property
     def pending(self) -> int:
