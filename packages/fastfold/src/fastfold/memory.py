@@ -1,5 +1,5 @@
-"""Peak memory of the current process: host RSS high-water mark (resettable on Linux) and the
-CUDA allocator's peak on the device a model lives on.
+"""Peak memory of the current process: host RSS high-water mark (resettable on Linux; read by
+:mod:`colossal.comm.memory`) and the CUDA allocator's peak on the device a model lives on.
 
 [Note: no reset of a caller's CUDA peak]
 ``torch.cuda.reset_peak_memory_stats`` cannot be undone (torch has no way to set a peak back), so a
@@ -11,10 +11,9 @@ earlier peak, and ``None`` says so rather than reporting a number that is not th
 
 from __future__ import annotations
 
-import resource
-import sys
-
 import torch
+
+from colossal.comm.memory import reset_peak_rss, rss_and_peak_bytes  # the one reader of host RSS
 
 __all__ = [
     "reset_peak_memory",
@@ -25,17 +24,6 @@ __all__ = [
     "device_of",
     "device_peak_during",
 ]
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def device_of(where: torch.nn.Module | torch.Tensor | torch.device | str | None = None) -> torch.device:
@@ -64,17 +52,6 @@ def _cuda_index(where) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def reset_peak_rss() -> bool:
-    """Reset the host RSS high-water mark to the current RSS (Linux ``clear_refs``); ``False`` when
-    it cannot be reset (then :func:`peak_rss_bytes` is the process peak). CUDA is left alone."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def reset_peak_memory(where=None) -> bool:
     """Reset the RSS high-water mark (:func:`reset_peak_rss`) and the CUDA peak of the device of
     ``where`` (a module, tensor or device; see :func:`device_of`); ``False`` when the host mark
@@ -83,26 +60,17 @@ def reset_peak_memory(where=None) -> bool:
     index = _cuda_index(where)
     if index is not None:
         torch.cuda.reset_peak_memory_stats(index)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return reset_peak_rss()
 
 
 def peak_rss_bytes() -> int:
     """Host RSS high-water mark in bytes (since the last successful :func:`reset_peak_memory`)."""
-    kb = _status_kb("VmHWM")
-    if kb is not None:
-        return kb * 1024
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return rss_and_peak_bytes()[1] or 0
 
 
 def current_rss_bytes() -> int:
     """Current host RSS in bytes (0 where ``/proc`` is unavailable)."""
-    return (_status_kb("VmRSS") or 0) * 1024
+    return rss_and_peak_bytes()[0] or 0
 
 
 def peak_device_bytes(where=None) -> int:

@@ -132,11 +132,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from colossal.comm.memory import rss_and_peak_bytes
 from colossal.gemini import checkpoint, events
 from colossal.gemini.chunk import Chunk, ChunkState, TensorState
 from colossal.gemini.chunk_manager import ChunkManager
 from colossal.gemini.config import GeminiConfig
-from colossal.gemini.host_memory import bound_host_allocator, rss_and_peak_bytes
+from colossal.gemini.host_memory import bound_host_allocator
 from colossal.gemini.order import first_use_order
 from colossal.gemini.placement import WarmupPolicy
 from colossal.gemini.prefetch import Prefetcher

@@ -1,4 +1,5 @@
-"""The process's real host memory: read it (RSS, its peak) and keep the allocator from inflating it.
+"""The process's real host memory: keep the allocator from inflating it (RSS is read by
+:func:`colossal.comm.memory.rss_and_peak_bytes`, re-exported here).
 
 [Note: the allocator's peak]
 Gemini's host and disk tiers free and re-allocate chunk-sized buffers (fetched shards, gradient
@@ -29,12 +30,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import sys
 
-try:
-    import resource
-except ImportError:  # Windows
-    resource = None
+from colossal.comm.memory import rss_and_peak_bytes  # the one reader of RSS (re-exported here)
 
 __all__ = ["MMAP_THRESHOLD", "bound_host_allocator", "rss_and_peak_bytes"]
 
@@ -60,33 +57,3 @@ def bound_host_allocator() -> bool:
                 return False
             _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return _applied
-
-
-def _status(*fields: str) -> list[int | None]:
-    """``fields`` of ``/proc/self/status`` in bytes; reads only its head (VmHWM and VmRSS lie in the
-    first ~330 bytes), so a step's stats add a few hundred bytes to the process's ``rchar``."""
-    try:
-        fd = os.open("/proc/self/status", os.O_RDONLY)
-    except OSError:
-        return [None] * len(fields)
-    try:
-        text = os.read(fd, 768)
-        if not all(f.encode() + b":" in text for f in fields):  # a long line before them (Groups)
-            text += os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
-    found = {}
-    for line in text.decode(errors="replace").splitlines():
-        name, _, rest = line.partition(":")
-        if name in fields and rest.split():
-            found[name] = int(rest.split()[0]) * 1024
-    return [found.get(f) for f in fields]
-
-
-def rss_and_peak_bytes() -> tuple[int | None, int | None]:
-    """The process's resident set size now and its peak since it started (``VmRSS``, ``VmHWM``) in one
-    read; ``None`` where ``/proc`` is absent (the peak then falls back to ``getrusage``)."""
-    rss, peak = _status("VmRSS", "VmHWM")
-    if peak is None and resource is not None:  # not Linux: ru_maxrss (after fork: the parent's too)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return rss, peak

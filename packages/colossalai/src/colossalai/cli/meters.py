@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from colossal.gemini.host_memory import rss_and_peak_bytes
+from colossal.comm.memory import rss_and_peak_bytes
 
 __all__ = ["Meters", "format_bytes"]
 
