@@ -303,3 +303,9 @@ def test_an_adapter_inside_the_experts_is_refused_under_expert_parallelism():
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     with pytest.raises(NotImplementedError, match=r"inside expert layers split over ep: \['.*layers\.0\.mlp\."):
         Booster(plugin=HybridParallelPlugin(tp_size=1, ep_size=2)).boost(model, optim)
+
+
+def test_refusals_at_boost_leave_no_process_group_behind():
+    """The checks above run before the plugin makes a world of one (later tests of this process
+    expect none)."""
+    assert not dist.is_initialized()

@@ -238,11 +238,11 @@ class HybridParallelPlugin(Plugin):
 
     def configure(self, model: nn.Module, optimizer, precision):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
-        ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
-        if is_peft_model(model):  # before any collective: what LoRA adapters compose with
+        if is_peft_model(model):  # before any process group or collective: what LoRA adapters compose with
             check_lora_layout(tp_mode=self.tp_mode if self.tp_size > 1 else "1d")
             if self.ep_size > 1:
                 check_frozen_experts(model, expert_layers)
+        ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
         if self.ep_size > 1:  # before any collective (the mesh creates groups)
             check_ep(model, self.ep_size, self.dp_size() * self.sp_size, self.sp_size)
         plan = model_plan(
