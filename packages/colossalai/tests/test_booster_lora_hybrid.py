@@ -50,12 +50,20 @@ TARGETS = {
     "llama": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
     "gpt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"],  # the colossalai GPT
     "mixtral": ["q_proj", "v_proj", "o_proj"],  # the experts stay frozen (and split over ep)
+    "palm": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_gate", "fc_in", "fc_out"],  # k/v: replicated
 }
-ADAPTED = {"gpt2": 4, "llama": 5, "gpt": 6, "mixtral": 3}  # adapted modules per layer (GPT-2's c_proj: attn and mlp)
+ADAPTED = {
+    "gpt2": 4,
+    "llama": 5,
+    "gpt": 6,
+    "mixtral": 3,
+    "palm": 7,
+}  # adapted modules per layer (GPT-2's c_proj: attn and mlp)
 CASES = {  # name -> (family, world size, plugin arguments)
     "gpt2-tp2": ("gpt2", 2, {"tp_size": 2}),
     "gpt-tp2": ("gpt", 2, {"tp_size": 2}),
     "gpt-sp2-ring": ("gpt", 2, {"tp_size": 1, "sp_size": 2}),
+    "palm-tp2": ("palm", 2, {"tp_size": 2}),
     "llama-tp2": ("llama", 2, {"tp_size": 2}),
     "llama-sp2-ring": ("llama", 2, {"tp_size": 1, "sp_size": 2}),
     "gpt2-sp2-all_to_all": ("gpt2", 2, {"tp_size": 1, "sp_size": 2, "sp_kind": "all_to_all"}),
@@ -68,6 +76,7 @@ CASES = {  # name -> (family, world size, plugin arguments)
     "gpt2-pp2-tp2": ("gpt2", 4, {"tp_size": 2, "pp_size": 2}),
     "gpt-pp2-dp2-zero2": ("gpt", 4, {"tp_size": 1, "pp_size": 2, "zero_stage": 2}),
     "gpt2-tp2-sp2": ("gpt2", 4, {"tp_size": 2, "sp_size": 2}),
+    "gpt-tp2-sp2": ("gpt", 4, {"tp_size": 2, "sp_size": 2}),
 }
 
 
@@ -78,6 +87,10 @@ def base_model(family: str):
         from colossalai.models import GPT, GPTConfig
 
         return GPT(GPTConfig(vocab_size=V, block_size=16, n_embd=32, n_layer=2, n_head=4))
+    if family == "palm":  # multi-query attention: k_proj / v_proj stay replicated under tp
+        from colossalai.models import PaLM, palm_config
+
+        return PaLM(palm_config("palm-tiny", vocab_size=V, block_size=16))
     return hf_models.build(family)  # gpt2, llama, mixtral
 
 
@@ -93,7 +106,7 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def loss_of(family: str, model, ids: torch.Tensor) -> torch.Tensor:
     """The reference's loss: the model's own with ``labels`` (the colossalai GPT: logits only)."""
-    if family != "gpt":
+    if family not in ("gpt", "palm"):
         return model(input_ids=ids, labels=ids).loss
     return next_token_loss(model(ids), ids)
 
@@ -135,7 +148,7 @@ def _train(family: str, kwargs: dict):
     losses, norms = [], []
     for step in range(STEPS):
         ids = batch(step).chunk(plugin.dp_size())[plugin.dp_rank()]
-        x = ids if family == "gpt" else {"input_ids": ids}
+        x = ids if family in ("gpt", "palm") else {"input_ids": ids}
         loss = booster.execute_pipeline((x, ids), model, next_token_loss, optim)  # pp or not
         norms.append(optim.clip_grad_norm(1e9).item())  # the dense norm, each element once
         _check_only_the_adapter_trains(plugin.unwrap(model.module))
@@ -312,6 +325,18 @@ def test_an_adapter_inside_the_experts_is_refused_under_expert_parallelism():
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     with pytest.raises(NotImplementedError, match=r"inside expert layers split over ep: \['.*layers\.0\.mlp\."):
         Booster(plugin=HybridParallelPlugin(tp_size=1, ep_size=2)).boost(model, optim)
+
+
+def test_dora_under_tp_and_a_meta_peft_model_are_refused_at_boost():
+    dora = peft.get_peft_model(base_model("llama"), lora_config("llama", use_dora=True))
+    optim = torch.optim.AdamW([p for p in dora.parameters() if p.requires_grad], lr=LR)
+    with pytest.raises(NotImplementedError, match=r"'model\.layers\.0\.self_attn\.q_proj' uses a LoRA variant"):
+        Booster(plugin=HybridParallelPlugin(tp_size=2)).boost(dora, optim)
+    with torch.device("meta"):
+        meta = peft.get_peft_model(base_model("llama"), lora_config("llama"))
+    optim = torch.optim.AdamW([p for p in meta.parameters() if p.requires_grad], lr=LR)
+    with pytest.raises(NotImplementedError, match=r"meta tensors .* would re-initialise its adapter"):
+        Booster(plugin=HybridParallelPlugin(tp_size=1, pp_size=2)).boost(meta, optim)
 
 
 def test_refusals_at_boost_leave_no_process_group_behind():

@@ -155,3 +155,18 @@ def test_a_sentencepiece_style_tokenizer_json_encodes_and_decodes_as_tokenizers_
     assert CorpusTokenizer.from_json(tok.to_json()) == tok
     with pytest.raises(ValueError, match="the tokenizer has .* tokens, more than vocab_size 300"):
         CorpusTokenizer(300, spec)
+
+
+def test_a_byte_level_bpe_with_non_ascii_special_tokens_stays_byte_level(bpe):
+    """DeepSeek-style special tokens (``<｜end▁of▁sentence｜>``) are added tokens, not byte-level
+    pieces: the vocabulary still decodes through its byte table, the special token as its text."""
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_str(json.loads(bpe.to_json())["bpe"])
+    special = "<｜end▁of▁sentence｜>"
+    hf.add_special_tokens([special])
+    tok = CorpusTokenizer(1100, hf.to_str())
+    assert tok.kind == "bpe" and tok.learned == bpe.learned + 1
+    ids = tok.encode("def f(x):\n    return 'é'" + special)
+    assert ids[-1].item() == bpe.learned and tok.decode(ids) == "def f(x):\n    return 'é'" + special
+    assert tok.decode(ids[:-1]) == "def f(x):\n    return 'é'"

@@ -78,23 +78,27 @@ class CorpusTokenizer:
             from tokenizers import Tokenizer
 
             self._bpe = Tokenizer.from_str(bpe_json)
-            vocab = self._bpe.get_vocab()
-            self._learned = max(vocab.values(), default=-1) + 1
-            table = self._byte_table(vocab)  # None: not byte-level ([Note: any tokenizer.json])
+            vocab = self._bpe.get_vocab(with_added_tokens=False)  # the model's pieces
+            added = {i: t.content for i, t in self._bpe.get_added_tokens_decoder().items()}  # special tokens
+            self._learned = max([*vocab.values(), *added], default=-1) + 1
+            table = self._byte_table(vocab, added, self._learned)  # None: not byte-level ([Note: any tokenizer.json])
             if self._learned > vocab_size:
                 raise ValueError(f"the tokenizer has {self._learned} tokens, more than vocab_size {vocab_size}")
         self._table = table  # id -> its bytes (byte-level vocabularies)
 
     @staticmethod
-    def _byte_table(vocab: dict[str, int]) -> list[bytes] | None:
-        """id -> bytes of every learned token when their strings are in the byte-to-unicode
-        alphabet (a byte-level BPE), else ``None``."""
+    def _byte_table(vocab: dict[str, int], added: dict[int, str], n: int) -> list[bytes] | None:
+        """id -> bytes of every token when the model's pieces are in the byte-to-unicode alphabet
+        (a byte-level BPE; an added special token is its own text, whatever its characters), else
+        ``None``."""
         to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
-        table = [b""] * (max(vocab.values(), default=-1) + 1)
+        table = [b""] * n
         for piece, i in vocab.items():
             if any(ch not in to_byte for ch in piece):
                 return None
             table[i] = bytes(to_byte[ch] for ch in piece)
+        for i, content in added.items():
+            table[i] = content.encode("utf-8")
         return table
 
     @classmethod

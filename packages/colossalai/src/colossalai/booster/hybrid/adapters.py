@@ -62,15 +62,30 @@ def base_prefix(model: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is base) + "."
 
 
-def check_lora_layout(*, tp_mode: str) -> None:
-    """``NotImplementedError`` (before any collective, on every rank) for a tensor-parallel mode
-    that LoRA adapters cannot be split in yet (2D, 2.5D, 3D: their blocks are not one split of a
-    linear layer's rows or columns)."""
+def check_lora_layout(*, tp_mode: str, tp_size: int = 1, model: nn.Module | None = None) -> None:
+    """``NotImplementedError`` (local, before any process group or collective, on every rank) for a
+    tensor-parallel mode that LoRA adapters cannot be split in yet (2D, 2.5D, 3D: their blocks are
+    not one split of a linear layer's rows or columns); with ``model`` (a ``peft`` model) also for
+    adapters that 1D tensor parallelism cannot split (DoRA, LoRA biases) and for a peft model built
+    on the meta device (materialising it would re-initialise the adapter: build it on a real
+    device, or materialise the meta base before ``get_peft_model``)."""
     if tp_mode != "1d":
         raise NotImplementedError(
             f"LoRA under tensor parallelism needs tp_mode '1d' (got {tp_mode!r}); LoRA composes with 1D tp, "
             "sp, pp, ep and dp (zero_stage 0-2)"
         )
+    if model is None:
+        return
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise NotImplementedError(
+            f"a peft model with meta tensors ({len(meta)}, e.g. {meta[0]!r}) under HybridParallelPlugin: "
+            "materialising would re-initialise its adapter; build the base on a real device (or materialise "
+            "it) before get_peft_model / Booster.enable_lora"
+        )
+    if tp_size > 1:
+        for name, layer in _adapted(model).items():
+            _check_plain(name, layer)
 
 
 def check_frozen_experts(model: nn.Module, expert_layers) -> None:
@@ -147,7 +162,7 @@ def _split_adapter(name: str, layer: nn.Module, group, converted: bool) -> None:
     from colossal.tensor_parallel import Linear1D
 
     base = layer.base_layer
-    if not converted:
+    if not converted or dist.get_world_size(group) == 1:  # replicated, or a tp "group" of one
         return
     if not isinstance(base, Linear1D):
         raise NotImplementedError(
@@ -187,14 +202,33 @@ def _base_layers_in_place(model: nn.Module):
 
     base = lora_base(model)
     layers = _adapted(model)
+    hooks = {name: set(layer.base_layer._forward_hooks) for name, layer in layers.items()}
     for name, layer in layers.items():
         replace_module(base, name, layer.base_layer)
+    before = {name: layer.base_layer for name, layer in layers.items()}
     try:
-        yield {name: (layer, layer.base_layer) for name, layer in layers.items()}
+        yield {name: (layer, before[name]) for name, layer in layers.items()}
     finally:
         for name, layer in layers.items():
-            layer.base_layer = base.get_submodule(name)
+            try:
+                layer.base_layer = base.get_submodule(name)
+            except AttributeError:  # the conversion failed after replacing a parent: its error is the one to see
+                continue
             replace_module(base, name, layer)
+            if layer.base_layer is before[name]:
+                _move_output_hooks(layer, hooks[name])
+
+
+def _move_output_hooks(layer: nn.Module, kept: set) -> None:
+    """Forward hooks the conversion registered on a base layer it kept (PaLM's replicated k / v
+    projections all-reduce their output gradient over tp) act on the LoRA layer's output instead:
+    peft adds the adapter's output after the base layer's, and the adapter needs the same."""
+    base = layer.base_layer
+    for key in [k for k in base._forward_hooks if k not in kept]:
+        hook = base._forward_hooks.pop(key)
+        base._forward_hooks_with_kwargs.pop(key, None)
+        base._forward_hooks_always_called.pop(key, None)
+        layer.register_forward_hook(hook)
 
 
 def convert_with_adapters(model: nn.Module, convert_base, group) -> None:

@@ -320,19 +320,22 @@ class ExpertParallelOptimizer(TensorParallelOptimizer):
         super().zero_grad(set_to_none)
 
 
-def expert_free_replicas(model: nn.Module, ep: ExpertParallel, dense_shapes, tp_size: int, pipe=None) -> dict[int, int]:
+def expert_free_replicas(
+    model: nn.Module, ep: ExpertParallel, dense_shapes, tp_size: int, pipe=None, prefix: str = ""
+) -> dict[int, int]:
     """Parameter id -> how many ranks of the tp (pipeline: pp x tp) group hold each element of
     it, for every non-expert parameter this rank holds (the tied embedding's two pipeline copies
-    count twice); experts are left out (their local shape is not a tp block of the dense one)."""
+    count twice); experts are left out (their local shape is not a tp block of the dense one).
+    ``prefix``: what the pipeline's names lack of the model's (a peft model's base prefix)."""
     if pipe is None:
         named = [(n, p) for n, p in model.named_parameters() if n not in ep.dense_shapes]
         return {id(p): multiplicity(p, dense_shapes[n], tp_size) for n, p in named}
     named = dict(pipe.named_parameters())
     tied = {id(named[n]) for n in pipe.tied_names}
     return {
-        id(p): multiplicity(p, dense_shapes[n], tp_size) * (2 if id(p) in tied else 1)
+        id(p): multiplicity(p, dense_shapes[prefix + n], tp_size) * (2 if id(p) in tied else 1)
         for n, p in named.items()
-        if n not in ep.dense_shapes
+        if prefix + n not in ep.dense_shapes
     }
 
 

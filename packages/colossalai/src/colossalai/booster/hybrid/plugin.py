@@ -239,7 +239,7 @@ class HybridParallelPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer, precision):
         """Materialise, then apply the axes in the order of ``[Note: the order of the axes]``."""
         if is_peft_model(model):  # before any process group or collective: what LoRA adapters compose with
-            check_lora_layout(tp_mode=self.tp_mode if self.tp_size > 1 else "1d")
+            check_lora_layout(tp_mode=self.tp_mode if self.tp_size > 1 else "1d", tp_size=self.tp_size, model=model)
             if self.ep_size > 1:
                 check_frozen_experts(model, expert_layers)
         ensure_process_group("HybridParallelPlugin")  # a plain single process gets a world of one
@@ -307,7 +307,9 @@ class HybridParallelPlugin(Plugin):
         if optimizer is None:
             return None
         if self._pipe is not None and self._ep is not None:  # experts: see ExpertPipelineOptimizer
-            replicas = expert_free_replicas(model, self._ep, self._dense_shapes, self.tp_size, self._pipe)
+            replicas = expert_free_replicas(
+                model, self._ep, self._dense_shapes, self.tp_size, self._pipe, self._pp_prefix
+            )
             self._scaler = _fp16_scaler() if precision is Precision.FP16 else None
             dp, tp = self.dp_size(), self.tp_size
             return ExpertPipelineOptimizer(optimizer, model, self._ep, replicas, dp, tp, self._scaler)
@@ -399,7 +401,9 @@ class HybridParallelPlugin(Plugin):
         """ZeRO over ``group``; under tp it clips by the dense norm over the world (dp x sp x tp),
         under pp over every stage too (ZeRO then sees this rank's stages only)."""
         if self._ep is not None:  # dense over dp, experts over edp: [Note: ZeRO with expert parallelism]
-            replicas = expert_free_replicas(model, self._ep, self._dense_shapes, self.tp_size, self._pipe)
+            replicas = expert_free_replicas(
+                model, self._ep, self._dense_shapes, self.tp_size, self._pipe, self._pp_prefix
+            )
             self._zero = ExpertZeroOptimizer(optimizer, model, self._ep, self.zero_stage, group, replicas, self.tp_size)
             return self._zero
         target = stage_view(model) if self._pipe is not None else model

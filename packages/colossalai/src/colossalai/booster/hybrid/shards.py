@@ -7,8 +7,9 @@ column blocks, vectors split over ``q^2`` ranks, weights replicated over the 2.5
 embeddings replicated over grid rows). Rather than re-deriving each layer's layout, the plugin
 converts a float64 copy of the dense model whose every parameter holds ``arange(numel)`` with the
 same ``parallelize`` call: each local "parameter" of that copy is then exactly the flat dense
-index of every local element (``ShardIndex.index``). Gathering is an all-gather of values and
-indices over the tp group and a scatter into the dense tensor (replicas write equal values);
+index of every local element (kept compact: ``[Note: compact index maps]``). Gathering is an
+all-gather of values and indices over the tp group and a scatter into the dense tensor (replicas
+write equal values);
 re-splitting is one ``take``. Correct for any plan, by construction.
 
 [Note: compact index maps]
@@ -40,6 +41,8 @@ def _compact(index: torch.Tensor) -> tuple:
     """``index`` (the flat dense index of each local element) as ``("rows+cols", rows, cols)`` when
     it is separable, ``index[i, j] == rows[i] + cols[j]`` (checked exactly), else ``("full",
     index)`` in int32 where the values fit ([Note: compact index maps])."""
+    if index.is_meta:  # another pipeline stage's parameter: never gathered or split here
+        return ("full", index)
     small = index.numel() == 0 or int(index.max()) < 2**31
     narrow = (lambda t: t.to(torch.int32)) if small else (lambda t: t)  # noqa: E731
     if index.dim() == 2 and index.numel() > 0:
@@ -72,12 +75,8 @@ class ShardIndex:
         self._maps = {n: _compact(p.detach().round().long()) for n, p in probe.named_parameters(remove_duplicate=False)}
         del probe
 
-    @property
-    def index(self) -> dict[str, torch.Tensor]:
-        """Name -> flat dense index of every local element (built on demand from the compact maps)."""
-        return {n: self._index(n) for n in self._maps}
-
     def _index(self, name: str) -> torch.Tensor:
+        """The flat dense index of every local element of parameter ``name`` (built from its map)."""
         kind, *parts = self._maps[name]
         if kind == "rows+cols":  # [Note: compact index maps]
             rows, cols = parts

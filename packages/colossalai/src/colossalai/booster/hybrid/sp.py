@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from colossalai.booster.hybrid.adapters import lora_base
+from colossalai.booster.hybrid.adapters import base_prefix, lora_base
 from colossalai.booster.hybrid.plans import ModelPlan
 from colossalai.booster.hybrid.wrappers import SequenceParallel, sequence_after_tensor
 
@@ -28,6 +28,8 @@ def apply_sp(model: nn.Module, inner: nn.Module, mesh, kind: str, dense_shapes: 
         raise ValueError(f"sequence parallelism needs ATTENTION entries in the plan ({plan.source}); got none")
     if inner is model:  # the plan names the base model's modules (a peft model's too)
         parallelize(lora_base(model), "sequence", sp, plan.sp, kind=kind)
-    else:
-        sequence_after_tensor(model, sp, kind, dense_shapes, plan.sp)
+    else:  # a peft model: the plan and the shapes by the base's names
+        prefix = base_prefix(model)
+        shapes = {k.removeprefix(prefix): v for k, v in dense_shapes.items() if k.startswith(prefix)}
+        sequence_after_tensor(lora_base(model), sp, kind, shapes, plan.sp)
     return SequenceParallel(inner, sp, torch.distributed.get_world_size(sp))
