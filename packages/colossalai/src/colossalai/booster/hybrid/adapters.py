@@ -169,8 +169,7 @@ def _split_adapter(name: str, layer: nn.Module, group, converted: bool) -> None:
             f"LoRA under tensor parallelism: {name!r} became {type(base).__name__}; adapters follow column- "
             "and row-parallel linear layers only (leave that module out of target_modules)"
         )
-    _check_plain(name, layer)
-    p = dist.get_world_size(group)
+    p = dist.get_world_size(group)  # plain LoRA: check_lora_layout refused DoRA and biases at boost
     for adapter in list(layer.lora_A):
         a, b = layer.lora_A[adapter], layer.lora_B[adapter]
         if base.style == "col":
@@ -187,11 +186,9 @@ def _split_adapter(name: str, layer: nn.Module, group, converted: bool) -> None:
 
 
 def _like(new: nn.Module, old: nn.Module) -> nn.Module:
-    ref = old.weight
-    new.to(device=ref.device, dtype=ref.dtype)
-    for q in new.parameters():
-        q.requires_grad_(ref.requires_grad)
-    return new
+    """``new`` on ``old``'s device and dtype (the parallel layers allocate fp32 on the CPU; which
+    parameters train is restored by name by the plugin after every axis)."""
+    return new.to(device=old.weight.device, dtype=old.weight.dtype)
 
 
 @contextlib.contextmanager
