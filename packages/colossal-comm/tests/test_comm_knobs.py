@@ -1,9 +1,10 @@
-"""colossal.comm.knobs: the one reading of a precision and of a byte budget that every package uses."""
+"""colossal.comm.knobs: the one reading of a precision, a byte budget, a prefetch depth and an offload
+fraction that every package uses."""
 
 import pytest
 import torch
 
-from colossal.comm import as_bytes, as_dtype
+from colossal.comm import as_bytes, as_count, as_dtype, as_fraction
 
 
 @pytest.mark.parametrize(
@@ -78,3 +79,24 @@ def test_every_byte_spelling(value, nbytes):
 def test_bad_byte_counts_name_the_knob_and_the_value(value, error, message):
     with pytest.raises(error, match=message):
         as_bytes(value, "host_memory_budget")
+
+
+def test_counts_and_fractions():
+    assert as_count(0, "prefetch") == 0 and as_count(3, "prefetch") == 3
+    assert as_fraction(1, "f") == 1.0 and isinstance(as_fraction(1, "f"), float) and as_fraction(0.25, "f") == 0.25
+    for bad, error, message in [
+        (True, TypeError, r"prefetch must be an int >= 0 \(0 turns it off, 1 is one ahead\), got bool True"),
+        (2.0, TypeError, "prefetch must be an int >= 0, got float 2.0"),
+        ("2", TypeError, "got str '2'"),
+        (-1, ValueError, "prefetch must be an int >= 0, got -1"),
+    ]:
+        with pytest.raises(error, match=message):
+            as_count(bad, "prefetch")
+    for bad, error, message in [
+        (False, TypeError, "offload_optim_frac must be a number in \\[0, 1\\], got bool False"),
+        ("0.5", TypeError, "got str '0.5'"),
+        (1.01, ValueError, r"offload_optim_frac must be in \[0, 1\], got 1.01"),
+        (float("nan"), ValueError, "got nan"),
+    ]:
+        with pytest.raises(error, match=message):
+            as_fraction(bad, "offload_optim_frac")

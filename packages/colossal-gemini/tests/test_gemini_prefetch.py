@@ -119,7 +119,7 @@ def test_plan_depths_respects_fits_and_keeps_prefetched_chunks_until_use():
     assert plan_depths(ops, 0, lambda j, ids: True) == [0] * 6
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5])
-def test_prefetch_must_be_a_non_negative_int(bad):
-    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (True, TypeError), (1.5, TypeError)])
+def test_prefetch_must_be_a_non_negative_int(bad, error):
+    with pytest.raises(error, match="prefetch must be an int >= 0"):
         GeminiDDP(GPT(GPTConfig(init="torch")), device_memory_budget=ROOMY, prefetch=bad)

@@ -80,6 +80,11 @@ def train_zero(steps: int, accum: int = 1, kind: str = "adamw", use_no_sync: boo
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
     zero = ZeroOptimizer(make_optimizer(model, kind), model, **zero_kw)
+    if zero_kw.get("offload_optim_frac") and zero.config.param_dtype == torch.float32:
+        trained = [f for f in zero.flats if f.master is not None]  # the last round(frac * n) are copies
+        placed = [not f.master_aliased for f in trained]
+        n_host = round(zero_kw["offload_optim_frac"] * len(trained))
+        assert 0 < n_host < len(trained) and placed == [i >= len(trained) - n_host for i in range(len(trained))]
     losses = []
     for step in range(steps):
         total = torch.zeros(())

@@ -1,5 +1,6 @@
 """Stage 1/2/3 fp32 parity with single-process training on the same global batch, with and
-without CPU offload, gradient accumulation and clipping, on 2 and 4 ranks.
+without CPU offload (all of it, or half the buffers: ``offload_optim_frac=0.5``), gradient
+accumulation, clipping and a deeper stage-3 prefetch, on 2 and 4 ranks.
 
 Tolerance: 1e-5 relative (Frobenius norm per tensor). The data-parallel gradient is a sum of
 per-rank means, the reference a mean over the whole batch: the two differ by fp32 rounding
@@ -39,6 +40,8 @@ def test_parity_stages_fp32(world):
         dict(steps=STEPS, stage=1, offload=True, accum=2, use_no_sync=True, max_grad_norm=0.05),
         dict(steps=STEPS, stage=2, offload=True, accum=2, max_grad_norm=0.05, kind="hybrid"),
         dict(steps=STEPS, stage=3, offload=True, accum=2, use_no_sync=True, max_grad_norm=0.05),
+        dict(steps=STEPS, stage=2, offload_optim_frac=0.5, bucket_numel=3000, max_grad_norm=0.05, kind="hybrid"),
+        dict(steps=STEPS, stage=3, offload_optim_frac=0.5, prefetch=2, max_grad_norm=0.05),
         dict(steps=STEPS, stage=3, accum=2, kind="sgd"),
         dict(steps=STEPS, stage=2, accum=3, use_no_sync=True, kind="sgd", max_grad_norm=0.05),
     ]

@@ -1,14 +1,15 @@
 """#31 item 6: one name and one type per knob. Every entry point that takes a precision or a byte
 budget accepts the same spellings (a torch dtype or "bf16"; an int or "64MiB") with the same result,
 and refuses the same bad values with a message naming the knob; GeminiPlugin and GeminiDDP default
-the CPU budget alike (1 GiB, with a warning), and the plugin takes GeminiDDP's prefetch."""
+the CPU budget alike (1 GiB, with a warning), and the plugin takes GeminiDDP's prefetch; ``prefetch``
+is an int (items gathered ahead) and ``offload_optim_frac`` a fraction on ZeRO and Gemini alike."""
 
 import pytest
 import torch
 
 from colossal.gemini import GeminiDDP
 from colossal.zero import ZeroConfig
-from colossalai import Booster, GeminiPlugin
+from colossalai import Booster, GeminiPlugin, ZeroPlugin
 from colossalai.booster.precision import Precision
 
 
@@ -75,3 +76,40 @@ def test_gemini_plugin_passes_prefetch():
     assert booster.plugin.model.config.prefetch == 0  # the GeminiDDP inside
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         GeminiPlugin(device_memory_budget="1MiB", prefetch=-1)
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [(True, TypeError, r"prefetch must be an int >= 0 \(0 turns it off"), (1.5, TypeError, "got float 1.5"),
+     (-1, ValueError, "prefetch must be an int >= 0, got -1")],
+)  # fmt: skip
+def test_prefetch_is_one_int_on_zero_and_gemini(bad, error, match):
+    assert ZeroConfig().prefetch == 1 and ZeroConfig(prefetch=3).prefetch == 3 and ZeroPlugin(prefetch=0)
+    for make in (
+        lambda: ZeroConfig(prefetch=bad),
+        lambda: ZeroPlugin(stage=3, prefetch=bad),
+        lambda: _gemini(prefetch=bad),
+        lambda: GeminiPlugin(prefetch=bad),
+    ):
+        with pytest.raises(error, match=match):
+            make()
+
+
+def test_offload_optim_frac_is_one_fraction_on_zero_and_gemini():
+    assert ZeroConfig().offload_optim_frac == 0.0 and not ZeroConfig().offload
+    assert ZeroConfig(offload=True).offload_optim_frac == 1.0
+    assert ZeroConfig(offload_optim_frac=1).offload  # the shorthand and the fraction agree
+    half = ZeroPlugin(offload_optim_frac=0.5)
+    assert half.offload_optim_frac == 0.5 and not half.offload and "offload_optim_frac=0.5" in repr(half)
+    with pytest.raises(ValueError, match="offload=True means offload_optim_frac=1.0, got offload_optim_frac=0.5"):
+        ZeroConfig(offload=True, offload_optim_frac=0.5)
+    for make in (
+        lambda: ZeroConfig(offload_optim_frac=1.5),
+        lambda: ZeroPlugin(offload_optim_frac=1.5),
+        lambda: _gemini(placement="static", offload_optim_frac=1.5),
+        lambda: GeminiPlugin(offload_optim_frac=1.5),
+    ):
+        with pytest.raises(ValueError, match=r"offload_optim_frac must be in \[0, 1\], got 1.5"):
+            make()
+    with pytest.raises(TypeError, match="offload_optim_frac must be a number in \\[0, 1\\], got str"):
+        ZeroConfig(offload_optim_frac="all")

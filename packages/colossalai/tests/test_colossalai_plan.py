@@ -49,7 +49,7 @@ def _measure_one(layout: Layout, ckpt: bool) -> int:
 
             module = model
             opt = ZeroOptimizer(opt, model, stage=layout.zero_stage, offload=layout.offload,
-                                param_dtype=layout.precision)  # fmt: skip
+                                param_dtype=layout.precision, prefetch=layout.prefetch)  # fmt: skip
         x = torch.randint(0, 256, (B // layout.dp, T))
         for step in range(4):
             gc.collect()  # garbage cycles left by earlier steps (or set-up) are not the step's memory
@@ -75,6 +75,7 @@ ONE = [
     (Layout(engine="zero", zero_stage=3), False),
     (Layout(engine="zero", zero_stage=3, offload=True), True),
     (Layout(engine="zero", zero_stage=3, precision="bf16"), True),
+    (Layout(engine="zero", zero_stage=3, prefetch=2), False),
 ]
 TWO = [  # the two-rank cases whose measured peak does not depend on when Python's cycle collector runs
     (Layout(engine="zero", dp=2, zero_stage=1), False),

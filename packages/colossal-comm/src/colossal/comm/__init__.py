@@ -47,7 +47,7 @@ from colossal.comm.functional import (
     reduce_scatter_along_dim,
     split_along_dim,
 )
-from colossal.comm.knobs import PRECISIONS, as_bytes, as_dtype
+from colossal.comm.knobs import PRECISIONS, as_bytes, as_count, as_dtype, as_fraction
 from colossal.comm.launch import (
     LaunchInfo,
     default_backend,
@@ -69,7 +69,9 @@ __all__ = [
     "ensure_process_group",
     "PRECISIONS",
     "as_bytes",
+    "as_count",
     "as_dtype",
+    "as_fraction",
     "is_unset",
     "mark_unset",
     "unset_mark",

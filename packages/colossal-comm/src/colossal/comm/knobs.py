@@ -1,4 +1,5 @@
-"""One spelling and one type per knob across the packages: precision and byte budgets.
+"""One spelling and one type per knob across the packages: precision, byte budgets, prefetch depths
+and offload fractions.
 
 Every engine and plugin that takes a precision (``GeminiDDP(mixed_precision=)``,
 ``ZeroOptimizer(mixed_precision=/param_dtype=)``, ``Booster(mixed_precision=)``) or a byte budget
@@ -9,7 +10,12 @@ these two functions, so each accepts the same values and rejects the same ones w
   name: ``"fp32"``/``"float32"``/``"no"``, ``"fp16"``/``"float16"``/``"half"``, ``"bf16"``/``"bfloat16"``;
 - a byte count is a positive ``int`` (or a float with an integral value: ``4e9``) or a string such
   as ``"64MiB"``, ``"1.5GiB"``, ``"512MB"``, ``"1e9"`` (binary units KiB/MiB/GiB/TiB, decimal
-  kB/MB/GB/TB, case-insensitive, spaces allowed).
+  kB/MB/GB/TB, case-insensitive, spaces allowed);
+- a prefetch depth (``prefetch`` of ``GeminiDDP`` and ``ZeroOptimizer``: how many chunks or units
+  are gathered ahead) is an ``int >= 0`` (``0`` gathers on demand); a ``bool`` is refused, since
+  ``True`` would not say how far ahead (``as_count``);
+- an offload fraction (``offload_optim_frac``, ``offload_param_frac``, ``disk_*_frac``) is a
+  number in [0, 1] (``as_fraction``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import re
 
 import torch
 
-__all__ = ["PRECISIONS", "as_bytes", "as_dtype"]
+__all__ = ["PRECISIONS", "as_bytes", "as_count", "as_dtype", "as_fraction"]
 
 PRECISIONS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -84,3 +90,24 @@ def as_bytes(value: int | str, name: str) -> int:
     if parsed <= 0:
         raise ValueError(f"{name} must be a positive byte count, got {value!r}")
     return parsed
+
+
+def as_count(value: int, name: str) -> int:
+    """``value`` as an ``int >= 0`` (a prefetch depth: module note); ``TypeError`` for a ``bool`` or a
+    non-integer, ``ValueError`` for a negative one, each naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = " (0 turns it off, 1 is one ahead)" if isinstance(value, bool) else ""
+        raise TypeError(f"{name} must be an int >= 0{hint}, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def as_fraction(value: float, name: str) -> float:
+    """``value`` as a float in [0, 1] (an offload fraction: module note); ``TypeError`` for a ``bool``
+    or a non-number, ``ValueError`` outside [0, 1], each naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__} {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from colossal.comm.knobs import as_bytes, as_dtype
+from colossal.comm.knobs import as_bytes, as_count, as_dtype, as_fraction
 
 __all__ = ["GeminiConfig"]
 
@@ -100,9 +100,7 @@ class GeminiConfig:
             "disk_grad_frac",
             "disk_optim_frac",
         ):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {v}")
+            setattr(self, name, as_fraction(getattr(self, name), name))
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive int of elements, got {self.chunk_size!r}")
         if not isinstance(self.keep_gathered, bool):
@@ -112,8 +110,7 @@ class GeminiConfig:
         if self.example_inputs is not None and not isinstance(self.example_inputs, (tuple, list)):
             kind = type(self.example_inputs).__name__
             raise TypeError(f"example_inputs must be a tuple of positional inputs or a tensor, got {kind}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {self.prefetch!r}")
+        self.prefetch = as_count(self.prefetch, "prefetch")  # chunks gathered ahead
         timeout = self.checkpoint_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, got {timeout!r}")

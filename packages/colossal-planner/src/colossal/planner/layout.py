@@ -69,8 +69,10 @@ class Layout:
     """Gemini with a disk tier: fraction of optimizer blocks on the disk."""
     keep_gathered: bool = False
     """Gemini: keep chunks gathered (unsharded) on every rank."""
-    prefetch: int = 2
-    """Gemini, sharded: chunks whose all-gather starts ahead of their operator (``GeminiConfig.prefetch``)."""
+    prefetch: int | None = None
+    """Items whose all-gather starts ahead: Gemini (sharded) chunks ahead of their operator
+    (``GeminiConfig.prefetch``), ZeRO-3 units ahead of the running one (``ZeroConfig.prefetch``);
+    ``None``: the engine's default (2 chunks, 1 unit)."""
     optimizer: str = "adamw"
     """Optimizer family (its state count: :data:`OPTIMIZER_STATES`)."""
 
@@ -98,6 +100,8 @@ class Layout:
             raise ValueError(f"Layout.placement must be 'static' or 'auto', got {self.placement!r}")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"Layout.optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.prefetch is None:
+            object.__setattr__(self, "prefetch", 2 if self.engine == "gemini" else 1)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"Layout.prefetch must be an int >= 0, got {self.prefetch!r}")
         for name in (

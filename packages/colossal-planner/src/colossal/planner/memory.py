@@ -221,17 +221,19 @@ def _zero(trace: ModelTrace, layout: Layout, device_type: str) -> MemoryPredicti
         params = sum(f.shard for f in flats) * w + frozen * w + trace.buffer_bytes
         order = list(range(1, len(flats)))
         order.sort(key=lambda u: trace.unit_forward[u][0])
-        root = flats[0]
-        tl.hold(trace.unit_forward[0][0], trace.ops - 1, root.padded * w)  # the root: forward to end of backward
+        root, root_start = flats[0], trace.unit_forward[0][0]
+        tl.hold(root_start, trace.ops - 1, root.padded * w)  # the root: forward to end of backward
+        k = layout.prefetch  # units gathered ahead (stage3.Stage3Engine)
         for n, u in enumerate(order):
             f = flats[u]
             start, stop = trace.unit_forward[u]
-            prev = order[n - 1] if n > 0 else None
-            gathered_at = trace.unit_forward[prev][0] if prev is not None else start  # prefetched by the unit before
-            tl.hold(gathered_at, stop, f.padded * w)
+            # prefetched by the unit k before it in forward order (the root's forward for the first k)
+            gathered_at = start if k == 0 else trace.unit_forward[order[n - k]][0] if n >= k else root_start
+            tl.hold(min(gathered_at, start), stop, f.padded * w)
             bstart = trace.unit_backward[u]
-            nxt = order[n + 1] if n + 1 < len(order) else None
-            bgather = trace.unit_backward[nxt] if nxt is not None else bstart  # prefetched in backward
+            # in backward by the unit k after it in forward order (the first to run backward: the last)
+            later = min(n + k, len(order) - 1)
+            bgather = trace.unit_backward[order[later]] if k and later > n else bstart
             ops = [trace.grad_op[i] for i in f.index if trace.grad_op[i] >= 0]
             tl.hold(min(bgather, bstart), max(ops) if ops else trace.ops - 1, f.padded * w)
             # under activation checkpointing the recomputed forward neither prefetches nor frees

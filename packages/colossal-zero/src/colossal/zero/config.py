@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from colossal.comm.knobs import as_dtype
+from colossal.comm.knobs import as_count, as_dtype, as_fraction
 
 __all__ = ["ZeroConfig", "ShardStrategy"]
 
@@ -54,7 +54,14 @@ class ZeroConfig:
     """Clip the global gradient norm (over all shards) to this value; ``None`` = no clipping."""
     offload: bool = False
     """ZeRO-Offload: fp32 master shards, their gradients and optimizer states on the CPU; the
-    optimizer step runs there (use ``colossal.optim.HybridAdam``/``CPUAdam``)."""
+    optimizer step runs there (use ``colossal.optim.HybridAdam``/``CPUAdam``). The shorthand for
+    ``offload_optim_frac=1.0``."""
+    offload_optim_frac: float | None = None
+    """Fraction of the flat buffers (buckets, stage 3's units) whose fp32 master, gradient and
+    optimizer states live on the CPU: the last ``round(frac * n)`` of them, as Gemini's static policy
+    takes its ``offload_optim_frac`` (the same name and type). The rest step on the device; torch's
+    optimizers and ``HybridAdam`` step each device's tensors together. ``None``: ``1.0`` with
+    ``offload=True``, else ``0.0``; giving ``offload=True`` with another fraction is an error."""
     bucket_numel: int = 2**22
     """Stages 1/2: maximum elements per gradient bucket (one reduce-scatter each)."""
     max_inflight: int = 2
@@ -66,8 +73,11 @@ class ZeroConfig:
     """Stage 3: also free the root unit after forward (re-gathered for backward). Off by default,
     like FSDP2: the root's backward starts right after its forward, so freeing it would only
     add one gather (the paper's 3 psi per step counts it; with this off it is 3 psi - psi_root)."""
-    prefetch: bool = True
-    """Stage 3: start gathering the next unit while the current one computes."""
+    prefetch: int = 1
+    """Stage 3: after a unit is gathered, start the all-gathers of the next ``prefetch`` units (in the
+    recorded forward order, and the previous ones in backward) so they overlap its compute; ``0``
+    gathers each unit on demand. An ``int`` as ``GeminiDDP``'s ``prefetch`` (which counts chunks);
+    each unit gathered ahead holds its full parameters until it runs."""
     sync_module_states: bool = True
     """Broadcast the parameters from rank 0 at construction so every rank starts identical."""
     overlap_param_gather: bool = False
@@ -84,6 +94,19 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        self.prefetch = as_count(self.prefetch, "prefetch")
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"offload must be a bool (or pass offload_optim_frac=), got {self.offload!r}")
+        if self.offload_optim_frac is None:
+            self.offload_optim_frac = 1.0 if self.offload else 0.0
+        else:
+            self.offload_optim_frac = as_fraction(self.offload_optim_frac, "offload_optim_frac")
+            if self.offload and self.offload_optim_frac != 1.0:
+                raise ValueError(
+                    "offload=True means offload_optim_frac=1.0, "
+                    f"got offload_optim_frac={self.offload_optim_frac}: pass one"
+                )
+        self.offload = self.offload_optim_frac == 1.0
         self.param_dtype = as_dtype(self.param_dtype, "param_dtype")
         if self.mixed_precision is not None:
             precision = as_dtype(self.mixed_precision, "mixed_precision")

@@ -105,6 +105,9 @@ class ZeroOptimizer(OptimizerWrapper):
         self._names = {p: n for n, p in model.named_parameters()}
         self._reduce_group = _duplicate_group(cfg.group)
         self.flats, self.units = self._build_flats()
+        trained = [f for f in self.flats if f.group_index is not None]
+        n_host = round(cfg.offload_optim_frac * len(trained))  # the last ones, as Gemini's static policy
+        self._offloaded = {id(f) for f in trained[len(trained) - n_host :]}
         for flat in self.flats:
             self._materialize(flat)
         # LAMB/LARS get per-parameter views of the masters ([Note: layer-wise optimizers]).
@@ -173,7 +176,7 @@ class ZeroOptimizer(OptimizerWrapper):
             flat.shard = own.clone()  # (shard_numel,) the persistent local shard
             own = flat.shard
         if flat.group_index is not None:
-            place_master(flat, own, flat.local(full32), cfg.offload)
+            place_master(flat, own, flat.local(full32), id(flat) in self._offloaded)
         if cfg.stage == 3:
             flat.to_sharded()  # frees full (and full32 when it is the same tensor)
 

@@ -7,10 +7,11 @@ A unit is the root module or a submodule picked by the wrap policy (default: eac
 encloses every module owning it (see ``[Note: shared parameters]``). Hooks:
 
 * forward pre-hook: gather the unit (waiting on a prefetch if one is in flight), start
-  gathering the next unit in the recorded forward order;
+  gathering the next ``prefetch`` units in the recorded forward order;
 * forward hook: free the unit (the root stays gathered: its backward begins right away) and
   hook the outputs' gradients, which fire just before the unit's backward;
-* output-gradient hook (pre-backward): gather the unit again, prefetch the previous one;
+* output-gradient hook (pre-backward): gather the unit again, prefetch the ``prefetch`` units
+  before it in forward order (the next ones to run backward);
 * the gradient reducer calls back when every parameter of the unit has its gradient: the unit
   is freed; the end-of-backward callback frees whatever is left (unused or frozen parameters).
 
@@ -117,7 +118,7 @@ def _in_backward() -> bool:
 class Stage3Engine:
     """Installs and runs the stage-3 hooks over a list of :class:`Unit`."""
 
-    def __init__(self, units: list[Unit], group: ProcessGroup | None, prefetch: bool, reshard_root: bool = False):
+    def __init__(self, units: list[Unit], group: ProcessGroup | None, prefetch: int, reshard_root: bool = False):
         self.units, self.group, self.prefetch, self.reshard_root = units, group, prefetch, reshard_root
         self.order: list[Unit] = []  # forward order, recorded during the first forward
         self.order_frozen = False
@@ -162,10 +163,10 @@ class Stage3Engine:
                 unit.fwd_index = len(self.order)
                 self.order.append(unit)
             self.wait_unshard(unit)
-            nxt = unit.fwd_index + 1 if unit.fwd_index is not None else None
             recompute = _in_backward()  # [Note: recomputation in backward]
-            if self.prefetch and self.order_frozen and not recompute and nxt is not None and nxt < len(self.order):
-                self.start_unshard(self.order[nxt])
+            if self.prefetch and self.order_frozen and not recompute and unit.fwd_index is not None:
+                for nxt in self.order[unit.fwd_index + 1 : unit.fwd_index + 1 + self.prefetch]:
+                    self.start_unshard(nxt)
 
         return hook
 
@@ -191,8 +192,9 @@ class Stage3Engine:
             return
         unit.in_backward = True
         self.wait_unshard(unit)
-        prev = unit.fwd_index - 1 if unit.fwd_index is not None else 0
-        if self.prefetch and (prev >= 1 or (prev == 0 and self.reshard_root)):
+        here = unit.fwd_index if unit.fwd_index is not None else 1
+        lowest = 0 if self.reshard_root else 1  # the root stays gathered unless resharded after forward
+        for prev in range(here - 1, max(here - 1 - self.prefetch, lowest - 1), -1):
             self.start_unshard(self.order[prev])
 
     def on_flat_complete(self, flat: FlatParam) -> None:

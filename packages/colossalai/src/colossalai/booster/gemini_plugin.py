@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch import nn
 
-from colossal.comm.knobs import as_bytes
+from colossal.comm.knobs import as_bytes, as_count, as_fraction
 from colossal.gemini.tiers import CPU_DEFAULT_BUDGET
 from colossalai.booster.ddp_plugin import materialize_
 from colossalai.booster.plugin import Plugin, materialize_optimizer_state, param_names, rebind_optimizer
@@ -69,8 +69,9 @@ class GeminiPlugin(Plugin):
             device_memory_budget = as_bytes(device_memory_budget, "device_memory_budget")
         if host_memory_budget is not None:
             host_memory_budget = as_bytes(host_memory_budget, "host_memory_budget")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (chunks gathered ahead), got {prefetch!r}")
+        prefetch = as_count(prefetch, "prefetch")  # chunks gathered ahead (colossal.comm.knobs)
+        offload_optim_frac = as_fraction(offload_optim_frac, "offload_optim_frac")
+        offload_param_frac = as_fraction(offload_param_frac, "offload_param_frac")
         self.placement, self.budget = placement, device_memory_budget
         self.gemini_kwargs = dict(
             chunk_size=chunk_size,

@@ -56,19 +56,32 @@ class ZeroBoostedOptimizer(EngineBoostedOptimizer):
 class ZeroPlugin(Plugin):
     """``ZeroPlugin(stage=2, offload=False)``: optimizer states (1), + gradients (2), + parameters
     (3) sharded over the data-parallel ranks (the whole world); ``offload`` keeps fp32 master
-    shards, gradients and optimizer states on the CPU. Mixed precision is ZeRO's own (fp16 with
-    its dynamic loss scaler, or bf16). One model per plugin instance.
+    shards, gradients and optimizer states on the CPU (``offload_optim_frac=`` a fraction of them,
+    as ``GeminiPlugin`` takes it); ``prefetch`` units gathered ahead under stage 3. Mixed precision
+    is ZeRO's own (fp16 with its dynamic loss scaler, or bf16). One model per plugin instance.
     """
 
     name = "zero"
     handles_precision = True
     owns_model_state = True  # the masters (and stage 3's freed parameters) are ZeRO's: BoostedModel asks it
 
-    def __init__(self, *, stage: int = 2, offload: bool = False, bucket_numel: int = 2**22, prefetch: bool = True):
-        if stage not in (1, 2, 3):
-            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-        self.stage, self.offload = stage, bool(offload)
-        self.zero_kwargs = dict(bucket_numel=bucket_numel, prefetch=prefetch)
+    def __init__(
+        self,
+        *,
+        stage: int = 2,
+        offload: bool = False,
+        offload_optim_frac: float | None = None,
+        bucket_numel: int = 2**22,
+        prefetch: int = 1,
+    ):
+        from colossal.zero import ZeroConfig
+
+        # ZeroConfig checks every knob here, before any process group: the same names, types and
+        # messages as ZeroOptimizer (offload_optim_frac and prefetch as GeminiPlugin takes them)
+        cfg = ZeroConfig(stage=stage, offload=offload, offload_optim_frac=offload_optim_frac,
+                         bucket_numel=bucket_numel, prefetch=prefetch)  # fmt: skip
+        self.stage, self.offload, self.offload_optim_frac = stage, cfg.offload, cfg.offload_optim_frac
+        self.zero_kwargs = dict(bucket_numel=bucket_numel, prefetch=cfg.prefetch)
         self.engine = None
         self._index_names: list[str] = []
 
@@ -91,7 +104,7 @@ class ZeroPlugin(Plugin):
                 optimizer,
                 model,
                 stage=self.stage,
-                offload=self.offload,
+                offload_optim_frac=self.offload_optim_frac,
                 param_dtype=precision.dtype,
                 **self.zero_kwargs,
             )
@@ -148,7 +161,9 @@ class ZeroPlugin(Plugin):
             apply_groups(self.engine.optimizer.param_groups, reader.groups())
 
     def __repr__(self) -> str:
-        return f"ZeroPlugin(stage={self.stage}, offload={self.offload})"
+        if self.offload or not self.offload_optim_frac:
+            return f"ZeroPlugin(stage={self.stage}, offload={self.offload})"
+        return f"ZeroPlugin(stage={self.stage}, offload_optim_frac={self.offload_optim_frac})"
 
 
 def zero_optimizer_state(engine, names: list[str]) -> dict:
