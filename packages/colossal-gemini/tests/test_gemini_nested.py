@@ -6,9 +6,13 @@ must keep such chunks on the device until their gradients arrive. Reference: the
 plain PyTorch; tolerance fp32 1e-5 relative (same ops, gradients copied through chunk buffers).
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _pop_mode
 
 from colossal.comm.testing import run_distributed
 from colossal.gemini import GeminiDDP, GeminiOptimizer
@@ -77,3 +81,44 @@ def test_reading_a_released_chunk_in_backward_raises_instead_of_crashing(monkeyp
     with pytest.raises(RuntimeError, match="not on the device"):
         _train(False, 10_000_000, prefetch=0, steps=1)
     assert torch._C._len_torch_dispatch_stack() == 0  # raised inside backward: the warm-up tracker is popped
+
+
+def test_a_bare_backward_that_fails_in_warm_up_leaves_nothing_alive(monkeypatch):
+    """``loss.backward()`` (not the optimizer's) raising inside backward: the tracker cannot be popped
+    there, so it goes inert; it holds no reference to the model (collected once the user drops it)
+    and the optimizer's next call pops it."""
+    monkeypatch.setattr(Chunk, "in_use", property(lambda c: any(i.state is TensorState.COMPUTE for i in c.tensors)))
+    for pop in ("zero_grad", "drop"):
+        torch.manual_seed(0)
+        gem = GeminiDDP(_Net(False), device_memory_budget=10_000_000, chunk_size=512, prefetch=0)
+        opt = GeminiOptimizer(torch.optim.SGD(gem.parameters(), lr=0.1), gem)
+        with pytest.raises(RuntimeError, match="not on the device"):
+            gem(torch.randn(4, 16)).square().mean().backward()
+        assert torch._C._len_torch_dispatch_stack() == 1 and gem.tracker.passthrough  # inert, still pushed
+        if pop == "zero_grad":
+            opt.zero_grad()
+            assert torch._C._len_torch_dispatch_stack() == 0
+        else:
+            ref = weakref.ref(gem)
+            del gem, opt
+            gc.collect()
+            assert ref() is None  # the pushed mode kept the model (and its chunks) alive
+            _pop_mode()  # what a later call of the dropped engine would have done
+
+
+def test_a_dropped_engine_is_freed():
+    """``[Note: weak hooks]`` in ``colossal.comm.hooks``: the gradient hooks Gemini leaves on the
+    parameters (kept in C++, out of the cycle collector's sight) used to keep every GeminiDDP, its
+    chunks and its model alive after the user's last reference, resident fast path included."""
+    refs = []
+    for budget in (10_000_000, 12_000):  # resident (native gradients) and offloading
+        gem = GeminiDDP(_Net(True), device_memory_budget=budget, chunk_size=512, prefetch=0)
+        opt = GeminiOptimizer(torch.optim.SGD(gem.parameters(), lr=0.1), gem)
+        for _ in range(3):
+            opt.backward(gem(torch.randn(4, 16)).square().mean())
+            opt.step()
+            opt.zero_grad()
+        refs += [weakref.ref(gem), weakref.ref(gem.module)]
+        del gem, opt
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4

@@ -47,6 +47,7 @@ from colossal.comm.functional import (
     reduce_scatter_along_dim,
     split_along_dim,
 )
+from colossal.comm.hooks import weak_hook
 from colossal.comm.knobs import PRECISIONS, as_bytes, as_count, as_dtype, as_fraction
 from colossal.comm.launch import (
     LaunchInfo,
@@ -72,6 +73,7 @@ __all__ = [
     "as_count",
     "as_dtype",
     "as_fraction",
+    "weak_hook",
     "is_unset",
     "mark_unset",
     "unset_mark",

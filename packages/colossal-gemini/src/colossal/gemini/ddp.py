@@ -132,6 +132,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from colossal.comm.hooks import weak_hook
 from colossal.comm.memory import rss_and_peak_bytes
 from colossal.gemini import checkpoint, events
 from colossal.gemini.chunk import Chunk, ChunkState, TensorState
@@ -343,8 +344,7 @@ class GeminiDDP(nn.Module):
             return self._mark_backward_start(self.module(*args, **kwargs))
         self._leave_native()
         self._attach_module_hooks()
-        if self._tracking and self.tracker.passthrough:  # the last iteration failed in backward
-            self._stop_tracking()
+        self.pop_inert_tracker()
         if self.warmup and torch.is_grad_enabled() and not self._tracking:
             self.tracker.__enter__()
             self._tracking = True
@@ -361,17 +361,24 @@ class GeminiDDP(nn.Module):
         warm-up starts again at the next forward.
 
         Inside backward the pop would not last (the autograd engine restores the caller's dispatch
-        modes when it unwinds), so there the tracker only stops tracking; ``GeminiOptimizer.backward``
-        (the booster's backward) pops it once the error has left the engine, and so does the next
-        forward of this model."""
+        modes when it unwinds), so there the tracker goes inert (``NonModelTracker.go_inert``: it
+        tracks nothing and holds no reference to this model, which can be collected); the first of
+        ``GeminiOptimizer.backward`` (the booster's backward), ``GeminiOptimizer.zero_grad`` /
+        ``step`` and this model's next forward to run after the error left autograd pops it."""
         if not self._tracking:
             return
         if torch._C._current_graph_task_id() != -1:
-            self.tracker.passthrough = True
+            self.tracker.go_inert()
             return
         self.tracker.__exit__(None, None, None)
         self._tracking = False
         self._fresh_trace()
+
+    def pop_inert_tracker(self) -> None:
+        """Pop the warm-up tracker left inert by an error inside backward (``_stop_tracking``); a
+        no-op otherwise, and inside backward."""
+        if self._tracking and self.tracker.passthrough:
+            self._stop_tracking()
 
     def _fresh_trace(self) -> None:
         """Trace the next iteration afresh (a skipped or abandoned warm-up)."""
@@ -415,7 +422,7 @@ class GeminiDDP(nn.Module):
 
     def _grad_hooks(self) -> list:
         """A post-accumulate-grad hook on every parameter that has gradients (none on frozen ones)."""
-        return [p.register_post_accumulate_grad_hook(self._grad_ready) for p, _ in self._native_params]
+        return [p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready)) for p, _ in self._native_params]
 
     def native_grads(self) -> list[tuple[nn.Parameter, str]] | None:
         """``(parameter, name)`` of every parameter when gradients are in ``param.grad`` (``[Note: native

@@ -168,6 +168,7 @@ class GeminiOptimizer(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the next reduction overwrites the gradient shards)."""
+        self.model.pop_inert_tracker()  # a bare loss.backward() that failed in warm-up: see GeminiDDP._stop_tracking
         if self.model.native_grads() is not None:  # see [Note: native gradients] in colossal.gemini.ddp
             for p in self.manager.chunk_of:
                 p.grad = None
@@ -193,6 +194,7 @@ class GeminiOptimizer(OptimizerWrapper):
         """Unscale, skip on overflow, clip, step, refresh the working weights; returns False when skipped."""
         if closure is not None:
             raise NotImplementedError("GeminiOptimizer.step supports closure=None only")
+        self.model.pop_inert_tracker()
         if self.manager.disk is not None:  # blocks on disk stream through the step (colossal.gemini.disk)
             from colossal.gemini.disk import optimizer_step
 

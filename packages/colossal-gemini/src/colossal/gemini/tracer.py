@@ -73,6 +73,10 @@ class Trace:
         return len(self.ops)
 
 
+def _never(key: int) -> bool:
+    return False
+
+
 class NonModelTracker(TorchDispatchMode):
     """Sums the bytes of live storages created by ops, except the model's (see the module note)."""
 
@@ -85,7 +89,7 @@ class NonModelTracker(TorchDispatchMode):
         self._suspended = 0
         self.passthrough = False
         """Track nothing more: the iteration was abandoned inside backward, where the mode cannot be
-        popped (``GeminiDDP._stop_tracking``)."""
+        popped (``GeminiDDP._stop_tracking``); see :meth:`go_inert`."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -94,6 +98,15 @@ class NonModelTracker(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     self._track(t)
         return out
+
+    def go_inert(self) -> None:
+        """Stop tracking and drop every reference (the model's storage test, the live table): a mode
+        that must stay pushed until the engine can pop it costs one Python call per operator and
+        keeps nothing alive (the model can be collected while it waits)."""
+        self.passthrough = True
+        self._is_model = _never
+        self._live.clear()
+        self.live_bytes = 0
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()

@@ -32,14 +32,13 @@ Stage 2/3 drop the views with the buffer after its reduce-scatter.
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable
 
 import torch
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
-from colossal.comm import all_reduce, reduce_scatter
+from colossal.comm import all_reduce, reduce_scatter, weak_hook
 from colossal.zero._flat_param import FlatParam
 
 __all__ = ["GradReducer"]
@@ -72,10 +71,10 @@ class GradReducer:
         self._inflight: collections.deque = collections.deque()
         self._callback_queued = False
         self._hooks = []
-        for flat in self.flats:
+        for k, flat in enumerate(self.flats):
             self._init_buffers(flat)
-            for i in flat.trainable:
-                hook = functools.partial(self._on_grad, flat, i)
+            for i in flat.trainable:  # weak: [Note: weak hooks] in colossal.comm.hooks
+                hook = weak_hook(self._on_grad_at, k, i)
                 self._hooks.append(flat.params[i].register_post_accumulate_grad_hook(hook))
 
     def _init_buffers(self, flat: FlatParam) -> None:
@@ -100,6 +99,9 @@ class GradReducer:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_at(self, k: int, index: int, param: torch.Tensor) -> None:
+        self._on_grad(self.flats[k], index, param)
 
     def _on_grad(self, flat: FlatParam, index: int, param: torch.Tensor) -> None:
         self.ensure_callback()
