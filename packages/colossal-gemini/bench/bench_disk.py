@@ -31,6 +31,14 @@ throughput ratio ours / ZeRO-Infinity (their s/step over ours, after the warm-up
     /work/venv-ds/bin/python packages/colossal-gemini/bench/bench_disk.py --params 0.5e9 \\
         --dir /work/scratch --steps 3 --peer zero-infinity
 
+The allocator trade-off (``--peer glibc-heap``): the same ``ours`` row twice, the second with
+``MALLOC_MMAP_THRESHOLD_=33554432`` in its environment, which Gemini leaves alone (``[Note: the
+allocator's peak]`` in ``colossal.gemini.host_memory``): glibc then serves chunk-sized buffers from
+its heap, the faster step and the larger peak RSS. The table's throughput line is the ratio::
+
+    python packages/colossal-gemini/bench/bench_disk.py --params 8e6 --dir /tmp/scratch --steps 4 \
+        --seq 64 --device-gib 0.012 --host-gib 0.02 --floor-gib 0.25 --peer glibc-heap
+
 The DeepSpeed row needs ``deepspeed`` (``bench/requirements.txt``) and ``libaio-dev``; it runs on the
 CPU accelerator (``DS_ACCELERATOR=cpu`` is set for it unless CUDA is present) with a one-rank
 ``gloo`` group. Its NVMe settings are the documented ones scaled to the model so that parameters
@@ -156,6 +164,7 @@ def batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
     """Train with Gemini's disk tier; per-step rows and a summary dict."""
+    torch.manual_seed(0)  # init_fn draws from the global generator: every row starts from the same weights
     ram = mem_total()
     cfg, layers, width = model_config(args)
     with torch.device("meta"):
@@ -166,6 +175,7 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
           f"model states {states / GIB:.1f} GiB = {states / ram:.2f}x RAM", flush=True)  # fmt: skip
 
     t0 = time.perf_counter()
+    hwm_before = vm_hwm()  # the process (torch, the meta model) before Gemini exists
     chunk = int(args.chunk_mib * (1 << 20) / 4) or None
     gem = GeminiDDP(
         model,
@@ -232,8 +242,9 @@ def run_ours(args: argparse.Namespace, fw: float, fr: float) -> dict:
     disk_size = disk.size
     disk.close()
     return dict(
-        row="ours",
+        row=args.row or "ours",
         n_params=n_params,
+        hwm_before=hwm_before,
         layers=layers,
         width=width,
         setup_s=setup_s,
@@ -462,7 +473,7 @@ def _watch_rss(proc: subprocess.Popen, limit: float) -> list[int]:
 def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
     """Run each row in a fresh process and print the comparison table with the throughput ratio."""
     here = os.path.abspath(__file__)
-    pythons = {"ours": sys.executable, "zero-infinity": args.ds_python or sys.executable}
+    pythons = {"ours": sys.executable, "glibc-heap": sys.executable, "zero-infinity": args.ds_python or sys.executable}
     results = {}
     for name in ("ours", args.peer):
         sub = os.path.join(args.dir, f"row-{name}")
@@ -471,6 +482,8 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         print(f"\n== row {name}: {' '.join(cmd)} (load {os.getloadavg()})", flush=True)
         t = time.perf_counter()
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # DeepSpeed's CPU Adam uses OpenMP
+        if name == "glibc-heap":  # glibc's own dynamic threshold, up to 32 MiB: chunks from the heap
+            env["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         killed = _watch_rss(proc, args.rss_limit_gib * GIB)
         result = None
@@ -510,6 +523,8 @@ def side_by_side(args: argparse.Namespace, fw: float, fr: float) -> None:
         ("I/O wait forward+backward / optimizer (last step)", lambda r: f"{r['rows'][-1]['io_wait_fwd_bwd_s']:.1f} s / "
          f"{r['rows'][-1]['io_wait_optim_s']:.1f} s" if "io_wait_optim_s" in r["rows"][-1] else "not counted"),
         ("peak RSS (VmHWM) / RAM", lambda r: f"{r['hwm'] / GIB:.2f} GiB = {r['hwm'] / ram:.2f}x"),
+        ("peak RSS over the process before GeminiDDP / model states", lambda r: f"{(r['hwm'] - r['hwm_before']) / 2**20:.0f} MiB = "
+         f"{(r['hwm'] - r['hwm_before']) / (16 * r['n_params']):.2f}x" if "hwm_before" in r else "not measured"),
         ("disk files", lambda r: f"{r['disk_file_gb']:.1f} GB"),
         ("block-device bytes per step (last, /proc/self/io)", lambda r: f"read {r['rows'][-1]['io_read_gb']:.1f} GB, "
          f"written {r['rows'][-1]['io_written_gb']:.1f} GB"),
@@ -543,8 +558,9 @@ def main() -> None:
     ap.add_argument("--disk-prefetch", type=int, default=2, help="GeminiDDP disk_prefetch (chunks read ahead)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--peer", choices=("zero-infinity",), default=None,
-                    help="also run DeepSpeed ZeRO-Infinity on the same model, each row in a fresh process")  # fmt: skip
+    ap.add_argument("--peer", choices=("zero-infinity", "glibc-heap"), default=None,
+                    help="also run DeepSpeed ZeRO-Infinity (or ours with glibc's heap for chunk buffers) on the same "
+                         "model, each row in a fresh process")  # fmt: skip
     ap.add_argument("--ds-python", default=None, help="python of the venv with deepspeed (default: this one)")
     ap.add_argument(
         "--ds-buffers",
@@ -558,14 +574,14 @@ def main() -> None:
     ap.add_argument("--ds-sub-group", type=float, default=2e7, help="sub_group_size (>= largest)")
     ap.add_argument("--rss-limit-gib", type=float, default=0.85 * mem_total() / GIB,
                     help="a row whose RSS passes this is killed and reported as failed (default 0.85x RAM)")  # fmt: skip
-    ap.add_argument("--row", choices=("ours", "zero-infinity"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--row", choices=("ours", "glibc-heap", "zero-infinity"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--floor-bps", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     if args.row is not None:  # one row of a side-by-side run, in its own process
         fw, fr = map(float, args.floor_bps.split(","))
-        result = run_ours(args, fw, fr) if args.row == "ours" else run_zero_infinity(args)
+        result = run_zero_infinity(args) if args.row == "zero-infinity" else run_ours(args, fw, fr)
         print("RESULT " + json.dumps(result), flush=True)
         return
 

@@ -196,15 +196,27 @@ class ChunkManager:
         chunk.grad_shard = self.host.alloc(chunk.shard_size, torch.float32, f"chunk {chunk.id} grad").zero_()
 
     def _alloc_payload(self, chunk: Chunk) -> None:
-        self.device.charge(chunk.nbytes, f"chunk {chunk.id}")
-        chunk.payload.untyped_storage().resize_(chunk.nbytes)
+        pooled = self.device.take_buffer(chunk.nbytes)  # [Note: the chunk-buffer pool] in tiers.py
+        try:
+            self.device.charge(chunk.nbytes, f"chunk {chunk.id}")
+        except BaseException:
+            if pooled is not None:
+                self.device.keep_buffer(pooled)
+            raise
+        storage = chunk.payload.untyped_storage()
+        if pooled is not None:
+            storage._swap_data_ptr_(pooled)
+        else:
+            storage.resize_(chunk.nbytes)
 
     def _drop_payload(self, chunk: Chunk) -> None:
         chunk.to_released()
         if self.aliased(chunk):  # the master outlives the payload's storage
             self._unalias(chunk)
-        chunk.payload.untyped_storage().resize_(0)
         self.device.refund(chunk.nbytes)
+        storage = chunk.payload.untyped_storage()
+        if not self.device.keep_buffer(storage):
+            storage.resize_(0)
 
     @property
     def sharded(self) -> bool:

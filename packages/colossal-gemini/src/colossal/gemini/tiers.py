@@ -11,6 +11,17 @@ accounted copy into a fresh buffer (not a relabel): it keeps the code path ident
 one (same buffers freed, same copies issued), so step times and byte counts measured on CPU
 include the cost of every move the policy decided, and a bug that forgets to move a buffer shows
 up as an accounting error instead of silently working because both tiers share one memory.
+
+[Note: the chunk-buffer pool]
+On the CPU the device tier's chunk buffers come from ``malloc``. Where the user bounds host memory,
+Gemini fixes glibc's mmap threshold (``[Note: the allocator's peak]`` in ``host_memory``), so every
+chunk buffer is its own mapping: freeing it returns it to the kernel (the peak stays bounded), but
+every fetch maps fresh pages and faults them in again. :class:`DeviceTier` therefore keeps the
+storages of released chunk payloads (``keep_buffer``) and hands them to the next payload of the same
+size (``take_buffer``: the payload's storage takes the pooled bytes, ``_swap_data_ptr_``), as long as
+the accounted model data and the pool together stay within the budget: the tier never holds more
+real memory than its budget, and the pool gives way (buffers are freed) before any charge passes it.
+Only on the CPU: CUDA's caching allocator already reuses its blocks. ``pooled_bytes`` is the pool.
 """
 
 from __future__ import annotations
@@ -108,6 +119,44 @@ class DeviceTier(Tier):
                 )
                 budget = CPU_DEFAULT_BUDGET
         super().__init__(device, as_bytes(budget, "device_memory_budget"))
+        self.pooling = device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        """Whether released chunk buffers are kept for reuse (``[Note: the chunk-buffer pool]``)."""
+        self.pooled_bytes = 0
+        """Bytes of released chunk buffers kept for reuse (not model data: not in ``used_bytes``)."""
+        self._pool: dict[int, list[torch.UntypedStorage]] = {}
+
+    def charge(self, nbytes: int, what: str = "model data") -> None:
+        """Account ``nbytes`` more model data (see :meth:`Tier.charge`); pooled buffers are freed first
+        where model data and pool together would pass the budget."""
+        super().charge(nbytes, what)
+        self._trim(self.budget - self.used_bytes)
+
+    def take_buffer(self, nbytes: int) -> torch.UntypedStorage | None:
+        """A pooled storage of exactly ``nbytes`` (removed from the pool), or ``None``."""
+        free = self._pool.get(nbytes)
+        if not free:
+            return None
+        self.pooled_bytes -= nbytes
+        return free.pop()
+
+    def keep_buffer(self, storage: torch.UntypedStorage) -> bool:
+        """Move ``storage``'s bytes into the pool (``storage`` is left with 0 bytes) if the budget has room
+        for them next to the accounted model data; ``False`` (nothing done) otherwise."""
+        nbytes = storage.nbytes()
+        if not self.pooling or nbytes == 0 or self.used_bytes + self.pooled_bytes + nbytes > self.budget:
+            return False
+        holder = torch.UntypedStorage(0, device=storage.device)
+        holder._swap_data_ptr_(storage)
+        self._pool.setdefault(nbytes, []).append(holder)
+        self.pooled_bytes += nbytes
+        return True
+
+    def _trim(self, room: int) -> None:
+        """Free pooled buffers until the pool fits in ``room`` bytes."""
+        while self.pooled_bytes > max(room, 0):
+            size = max(n for n, free in self._pool.items() if free)
+            self._pool[size].pop()
+            self.pooled_bytes -= size
 
 
 class HostTier(Tier):
