@@ -11,7 +11,7 @@ or dry-run every row at tiny sizes on the CPU (what ``test_colossalai_gpu_bench.
 
 Sections:
 
-1. **capacity**: the largest GPT (width grown in steps of 64, depth ``width / 128``, head size 128,
+1. **capacity**: the largest GPT (width grown in steps of 128, depth ``width / 128``, head size 128,
    activation checkpointing, sequence ``--capacity-seq``) that trains two real steps with plain
    PyTorch (bf16 autocast, fp32 AdamW states: 16 B per parameter on the card), ZeRO-3 + CPU
    offload, Gemini ``auto`` and Gemini with its disk tier. Each probe builds on the meta device and
@@ -40,6 +40,8 @@ thread's stack.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import faulthandler
 import functools
 import gc
@@ -59,8 +61,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 CAPACITY_ENGINES = ("torch", "zero3-offload", "gemini-auto", "gemini-disk")
 THROUGHPUT_ENGINES = ("torch", "torch-compile", "fsdp2", "zero2", "gemini-roomy", "gemini-pressure")
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12, "3090": 71e12}
-"""Dense bf16 tensor-core peaks (FLOP/s) by a substring of the card's name (SXM parts)."""
+PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12,
+             "3090": 71e12}  # fmt: skip
+"""Dense bf16 tensor-core peaks (FLOP/s) by a substring of the card's name (the first match: PCIe
+parts before SXM ones)."""
 
 
 # -- shared helpers ----------------------------------------------------------------------------------
@@ -85,13 +89,13 @@ def rss_peak() -> int:
 
 def gpt_shape(params: float, vocab: int, seq: int, dry: bool) -> tuple[int, int, int]:
     """``(n_layer, n_embd, n_head)`` of the smallest GPT of the family with at least ``params``."""
-    head = 16 if dry else 128
-    d = 64
+    head = 16 if dry else 128  # the width grows by one head at a time: the heads always divide it
+    d = head * 4 if dry else head
     while True:
         layers = max(2, d // 128)
         if 12 * layers * d * d + (vocab + seq) * d >= params:
-            return layers, d, max(1, d // head)
-        d += 64
+            return layers, d, d // head
+        d += head
 
 
 def init_(name: str, t: torch.Tensor) -> None:
@@ -148,7 +152,7 @@ def probe(spec: dict) -> dict:
         from colossal.optim import HybridAdam
         from colossal.zero import ZeroOptimizer
 
-        model.materialize("cpu")  # ZeroOptimizer moves one unit at a time to the device
+        model.materialize(device)  # ZeRO works where the parameters are: the fp32 build bounds its size
         zero = ZeroOptimizer(HybridAdam(model.parameters(), lr=1e-4), model, stage=3, offload=True,
                              mixed_precision=dtype)  # fmt: skip
 
@@ -255,24 +259,30 @@ def capacity(args: argparse.Namespace, device: torch.device) -> list[dict]:
                 good, lo = tried[-1], tried[-1]["params"]
             else:
                 bad = mid
-        rows.append(dict(engine=engine, best=good, cut=cut, hit_max=bad is None and not cut, probes=len(tried)))
+        stop = next((r["why"] for r in tried if not r["ok"]), "-")
+        rows.append(dict(engine=engine, best=good, cut=cut, hit_max=bad is None and not cut, probes=len(tried),
+                         stop=stop))  # fmt: skip
+        # one line per engine as soon as it is known: a run ended by --time-limit keeps what it measured
+        best = f"{fmt_params(good['params'])} ({good['layers']} x {good['width']})" if good else "none trained"
+        print(f"  capacity {engine}: largest that trained {best}; stopped by: {stop}", flush=True)
     return rows
 
 
 def print_capacity(rows: list[dict], card: str) -> None:
     base = next((r["best"]["params"] for r in rows if r["engine"] == "torch" and r["best"]), None)
     print(f"\n## capacity on {card}\n")
-    print("| engine | largest GPT that trained | x plain PyTorch | device peak | host peak RSS | probes |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | largest GPT that trained | x plain PyTorch | device peak | host peak RSS | probes | stopped by |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         b = r["best"]
         if b is None:
-            print(f"| {r['engine']} | none trained | - | - | - | {r['probes']} |")
+            print(f"| {r['engine']} | none trained | - | - | - | {r['probes']} | {r['stop']} |")
             continue
         note = " (lower bound: time)" if r["cut"] else " (the --max-params cap)" if r["hit_max"] else ""
         ratio = f"{b['params'] / base:.1f}x" if base else "-"
+        peaks = f"{fmt_bytes(b['device_peak'])} | {fmt_bytes(b['rss_peak'])}"
         print(f"| {r['engine']} | {fmt_params(b['params'])} ({b['layers']} x {b['width']}){note} | {ratio} | "
-              f"{fmt_bytes(b['device_peak'])} | {fmt_bytes(b['rss_peak'])} | {r['probes']} |")  # fmt: skip
+              f"{peaks} | {r['probes']} | {r['stop']} |")  # fmt: skip
 
 
 # -- throughput: in this process, one row after another -----------------------------------------------
@@ -445,13 +455,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes: check every row runs (CPU)")
     ap.add_argument("--sections", default="capacity,throughput,fastfold")
-    ap.add_argument("--time-limit", type=float, default=480, help="seconds before faulthandler ends the run")
-    ap.add_argument("--capacity-s", type=float, default=75, help="seconds of probing per capacity engine")
+    ap.add_argument("--time-limit", type=float, default=600, help="seconds before faulthandler ends the run")
+    ap.add_argument("--capacity-s", type=float, default=60, help="seconds of probing per capacity engine")
     ap.add_argument("--capacity-seq", type=int, default=None, help="sequence of the capacity probes (1024)")
     ap.add_argument("--start-params", type=float, default=None, help="first probe's size (1e9)")
     ap.add_argument("--max-params", type=float, default=None, help="largest size probed (2e11)")
     ap.add_argument("--bisect", type=int, default=3, help="bisection probes after the doubling")
-    ap.add_argument("--probe-timeout", type=float, default=240)
+    ap.add_argument("--probe-timeout", type=float, default=120, help="seconds one probe may take")
     ap.add_argument("--host-budget", default="48GiB", help="Gemini disk tier's host_memory_budget")
     ap.add_argument("--cpu-budget", default="64MiB", help="Gemini's device budget when the device is the CPU")
     ap.add_argument("--seq", type=int, default=None, help="throughput sequence (2048)")
@@ -463,6 +473,8 @@ def main() -> None:
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe is not None:
+        with contextlib.suppress(OSError, AttributeError):  # die with the parent (a --time-limit exit)
+            ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
         print("RESULT " + json.dumps(probe(json.loads(args.probe))), flush=True)
         return
     dry = args.dry_run

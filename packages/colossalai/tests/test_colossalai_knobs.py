@@ -4,6 +4,8 @@ and refuses the same bad values with a message naming the knob; GeminiPlugin and
 the CPU budget alike (1 GiB, with a warning), and the plugin takes GeminiDDP's prefetch; ``prefetch``
 is an int (items gathered ahead) and ``offload_optim_frac`` a fraction on ZeRO and Gemini alike."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,9 +98,11 @@ def test_prefetch_is_one_int_on_zero_and_gemini(bad, error, match):
 
 
 def test_offload_optim_frac_is_one_fraction_on_zero_and_gemini():
-    assert ZeroConfig().offload_optim_frac == 0.0 and not ZeroConfig().offload
-    assert ZeroConfig(offload=True).offload_optim_frac == 1.0
-    assert ZeroConfig(offload_optim_frac=1).offload  # the shorthand and the fraction agree
+    assert ZeroConfig().offload_fraction == 0.0 and not ZeroConfig().offload
+    assert ZeroConfig(offload=True).offload_fraction == 1.0
+    assert ZeroPlugin(offload_optim_frac=1).offload  # the shorthand and the fraction agree
+    cfg = ZeroConfig(offload=True)
+    assert dataclasses.replace(cfg, offload=False).offload_fraction == 0.0  # the knobs are kept as given
     half = ZeroPlugin(offload_optim_frac=0.5)
     assert half.offload_optim_frac == 0.5 and not half.offload and "offload_optim_frac=0.5" in repr(half)
     with pytest.raises(ValueError, match="offload=True means offload_optim_frac=1.0, got offload_optim_frac=0.5"):

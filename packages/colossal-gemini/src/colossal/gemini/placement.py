@@ -161,6 +161,7 @@ class PlacementPolicy:
     def make_room(self, nbytes: int, protect: set[int], i: int) -> None:
         """Evict until ``nbytes`` more model bytes fit next to operator ``i``'s non-model data."""
         dev = self.m.device
+        dev.set_reserve(self._non_model(i))  # the chunk-buffer pool fits next to it (tiers.py)
         while dev.used_bytes + nbytes + self._non_model(i) > dev.budget:
             victim = self.victim(protect, i)
             if victim is None:

@@ -19,8 +19,10 @@ chunk buffer is its own mapping: freeing it returns it to the kernel (the peak s
 every fetch maps fresh pages and faults them in again. :class:`DeviceTier` therefore keeps the
 storages of released chunk payloads (``keep_buffer``) and hands them to the next payload of the same
 size (``take_buffer``: the payload's storage takes the pooled bytes, ``_swap_data_ptr_``), as long as
-the accounted model data and the pool together stay within the budget: the tier never holds more
-real memory than its budget, and the pool gives way (buffers are freed) before any charge passes it.
+the accounted model data, the pool and the non-model bytes the placement policy keeps free for the
+coming operator (``set_reserve``: the traced activations) together stay within the budget: the pool
+gives way (buffers are freed) before any charge or reserve would pass it, so pooling never raises
+the real peak above what the policy planned.
 Only on the CPU: CUDA's caching allocator already reuses its blocks. ``pooled_bytes`` is the pool.
 """
 
@@ -123,13 +125,21 @@ class DeviceTier(Tier):
         """Whether released chunk buffers are kept for reuse (``[Note: the chunk-buffer pool]``)."""
         self.pooled_bytes = 0
         """Bytes of released chunk buffers kept for reuse (not model data: not in ``used_bytes``)."""
+        self.reserve_bytes = 0
+        """Non-model bytes the placement policy keeps free for the coming operator (``set_reserve``)."""
         self._pool: dict[int, list[torch.UntypedStorage]] = {}
 
     def charge(self, nbytes: int, what: str = "model data") -> None:
         """Account ``nbytes`` more model data (see :meth:`Tier.charge`); pooled buffers are freed first
-        where model data and pool together would pass the budget."""
+        where model data, reserve and pool together would pass the budget."""
         super().charge(nbytes, what)
-        self._trim(self.budget - self.used_bytes)
+        self._trim(self.budget - self.used_bytes - self.reserve_bytes)
+
+    def set_reserve(self, nbytes: int) -> None:
+        """Keep ``nbytes`` free for non-model data (the coming operator's activations): the pool shrinks
+        to fit next to them."""
+        self.reserve_bytes = max(int(nbytes), 0)
+        self._trim(self.budget - self.used_bytes - self.reserve_bytes)
 
     def take_buffer(self, nbytes: int) -> torch.UntypedStorage | None:
         """A pooled storage of exactly ``nbytes`` (removed from the pool), or ``None``."""
@@ -143,7 +153,8 @@ class DeviceTier(Tier):
         """Move ``storage``'s bytes into the pool (``storage`` is left with 0 bytes) if the budget has room
         for them next to the accounted model data; ``False`` (nothing done) otherwise."""
         nbytes = storage.nbytes()
-        if not self.pooling or nbytes == 0 or self.used_bytes + self.pooled_bytes + nbytes > self.budget:
+        room = self.budget - self.used_bytes - self.reserve_bytes
+        if not self.pooling or nbytes == 0 or self.pooled_bytes + nbytes > room:
             return False
         holder = torch.UntypedStorage(0, device=storage.device)
         holder._swap_data_ptr_(storage)

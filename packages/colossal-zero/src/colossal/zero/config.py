@@ -97,16 +97,13 @@ class ZeroConfig:
         self.prefetch = as_count(self.prefetch, "prefetch")
         if not isinstance(self.offload, bool):
             raise TypeError(f"offload must be a bool (or pass offload_optim_frac=), got {self.offload!r}")
-        if self.offload_optim_frac is None:
-            self.offload_optim_frac = 1.0 if self.offload else 0.0
-        else:
+        if self.offload_optim_frac is not None:  # kept as given (dataclasses.replace sees the user's knobs)
             self.offload_optim_frac = as_fraction(self.offload_optim_frac, "offload_optim_frac")
             if self.offload and self.offload_optim_frac != 1.0:
                 raise ValueError(
                     "offload=True means offload_optim_frac=1.0, "
                     f"got offload_optim_frac={self.offload_optim_frac}: pass one"
                 )
-        self.offload = self.offload_optim_frac == 1.0
         self.param_dtype = as_dtype(self.param_dtype, "param_dtype")
         if self.mixed_precision is not None:
             precision = as_dtype(self.mixed_precision, "mixed_precision")
@@ -136,6 +133,14 @@ class ZeroConfig:
         timeout = self.checkpoint_timeout
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"checkpoint_timeout must be a positive number of seconds or None, got {timeout!r}")
+
+    @property
+    def offload_fraction(self) -> float:
+        """The fraction of flat buffers offloaded: ``offload_optim_frac``, else 1.0 with ``offload=True``,
+        else 0.0."""
+        if self.offload_optim_frac is not None:
+            return self.offload_optim_frac
+        return 1.0 if self.offload else 0.0
 
     @property
     def strategy(self) -> ShardStrategy:

@@ -106,7 +106,7 @@ class ZeroOptimizer(OptimizerWrapper):
         self._reduce_group = _duplicate_group(cfg.group)
         self.flats, self.units = self._build_flats()
         trained = [f for f in self.flats if f.group_index is not None]
-        n_host = round(cfg.offload_optim_frac * len(trained))  # the last ones, as Gemini's static policy
+        n_host = round(cfg.offload_fraction * len(trained))  # the last ones, as Gemini's static policy
         self._offloaded = {id(f) for f in trained[len(trained) - n_host :]}
         for flat in self.flats:
             self._materialize(flat)

@@ -80,7 +80,8 @@ class ZeroPlugin(Plugin):
         # messages as ZeroOptimizer (offload_optim_frac and prefetch as GeminiPlugin takes them)
         cfg = ZeroConfig(stage=stage, offload=offload, offload_optim_frac=offload_optim_frac,
                          bucket_numel=bucket_numel, prefetch=prefetch)  # fmt: skip
-        self.stage, self.offload, self.offload_optim_frac = stage, cfg.offload, cfg.offload_optim_frac
+        self.offload_optim_frac = cfg.offload_fraction
+        self.stage, self.offload = stage, self.offload_optim_frac == 1.0
         self.zero_kwargs = dict(bucket_numel=bucket_numel, prefetch=cfg.prefetch)
         self.engine = None
         self._index_names: list[str] = []
