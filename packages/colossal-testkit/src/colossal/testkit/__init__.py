@@ -5,6 +5,8 @@
   ``ln_f``, ``lm_head``), for the tests of packages that may not import ``colossalai``;
 * :mod:`colossal.testkit.parity`: per-tensor relative-error checks against a reference, and the
   plain single-process PyTorch training run that parallel engines are compared with;
+* :mod:`colossal.testkit.ops`: :class:`OpCounter`, the operators a block dispatches (an engine's
+  host cost per step, measured directly);
 * :mod:`colossal.testkit.checkpoint`: the checkpoint-guarantee fixtures (a model family with
   missing and mis-shaped entries, file damage) of the engines' save/load tests.
 
@@ -22,6 +24,7 @@ from colossal.testkit.checkpoint import (
 )
 from colossal.testkit.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, randomize_biases_
 from colossal.testkit.lora import LowRankAdapted, add_adapters
+from colossal.testkit.ops import OpCounter
 from colossal.testkit.parity import (
     TOL,
     assert_close,
@@ -41,6 +44,7 @@ __all__ = [
     "randomize_biases_",
     "LowRankAdapted",
     "add_adapters",
+    "OpCounter",
     "TOL",
     "rel_err",
     "assert_close",

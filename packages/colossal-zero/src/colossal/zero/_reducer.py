@@ -106,9 +106,13 @@ class GradReducer:
     def _on_grad(self, flat: FlatParam, index: int, param: torch.Tensor) -> None:
         self.ensure_callback()
         grad = param.grad
-        self._ensure_full_grad(flat, grad)
-        view = flat.grad_view(index)
-        if grad.data_ptr() != view.data_ptr():  # autograd made a fresh tensor: fold it in, hand it our slot
+        if flat.full_grad is None:
+            self._ensure_full_grad(flat, grad)
+        full = flat.full_grad
+        # Is ``.grad`` still our slot? A pointer compare, no view made: the common case dispatches no
+        # operator at all (one slice and one view per parameter and step before).
+        if grad.data_ptr() != full.data_ptr() + flat.offsets[index] * full.element_size():
+            view = flat.grad_view(index)  # autograd made a fresh tensor (or the user dropped ours): fold it in
             view.add_(grad)
             param.grad = view
         flat.ready.add(index)
@@ -123,8 +127,7 @@ class GradReducer:
         """Allocate the flat gradient buffer and make every parameter's ``.grad`` a view of it, so
         autograd accumulates in place (no per-parameter gradient tensors, no copies; see the
         [Note: gradients as buffer views])."""
-        if flat.full_grad is None:
-            flat.full_grad = torch.zeros(flat.padded_numel, dtype=like.dtype, device=like.device)
+        flat.full_grad = torch.zeros(flat.padded_numel, dtype=like.dtype, device=like.device)
         for i in flat.trainable:
             if flat.params[i].grad is None:
                 flat.params[i].grad = flat.grad_view(i)
