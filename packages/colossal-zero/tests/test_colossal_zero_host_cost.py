@@ -18,6 +18,7 @@ def _backward_ops() -> dict:
         with ops:
             loss.backward()
     out = {"plain": ops.count, "params": sum(1 for _ in plain.parameters())}
+    out["shaped"] = sum(1 for p in plain.parameters() if p.dim() != 1)  # parameters whose slot needs a view
     for stage in (1, 2, 3):
         model = make_model()
         zero = ZeroOptimizer(make_optimizer(model), model, stage=stage, bucket_numel=2**30)  # one bucket
@@ -41,8 +42,10 @@ def test_gradient_hooks_dispatch_no_operator_per_parameter():
     # Stage 1 keeps its buffer and the views on .grad: the hooks add no operator per parameter (before
     # the pointer check: a slice and a view each, per step).
     assert all(v < n for v in extra[1].values()), (n, extra[1])
-    # Stages 2 and 3 free the buffer after reducing, so each step's new buffer gets one slice and one
-    # view per parameter (stage 3 also views each gathered unit: 12 slices/views here); the hooks
-    # none. Measured: 74 and 90 slices + views; 142 and 150 before.
-    views = {stage: extra[stage].get("slice", 0) + extra[stage].get("view", 0) for stage in (2, 3)}
-    assert views[2] <= 2 * n + 4 and views[3] <= 2 * n + 24, (n, views, extra)
+    # Stages 2 and 3 free the buffer after reducing, so each step's new buffer is split once and
+    # viewed for every parameter that is not 1-D (stage 3 also views each gathered unit); the hooks
+    # add nothing. Measured here (36 parameters, 16 not 1-D): 22 and 50 splits, slices and views;
+    # 142 and 150 before (a slice and a view per parameter for the new buffer, and again in each hook).
+    views = {s: sum(extra[s].get(k, 0) for k in ("split_with_sizes", "slice", "view")) for s in (2, 3)}
+    m = got["shaped"]
+    assert views[2] <= m + 12 and views[3] <= m + 40, (n, m, views, extra)

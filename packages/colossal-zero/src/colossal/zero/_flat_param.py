@@ -134,6 +134,14 @@ class FlatParam:
         off, n = self.offsets[index], self.numels[index]
         return self.full_grad[off : off + n].view(self.shapes[index])
 
+    def grad_views(self) -> list[torch.Tensor]:
+        """Every parameter's slot in ``full_grad``, shaped like it: one split for all of them and a view
+        only where the parameter is not 1-D (host cost: ``grad_view`` per parameter dispatches two
+        operators each, and stages 2-3 make a new buffer every step)."""
+        pad = self.padded_numel - self.numel
+        parts = self.full_grad.split_with_sizes(self.numels + [pad] if pad else self.numels)
+        return [t if len(s) == 1 else t.view(s) for t, s in zip(parts, self.shapes, strict=False)]
+
     def slices(self) -> list[ParamSlice]:
         """The parts of each parameter inside this rank's shard, in order."""
         out, lo, hi = [], self.shard_start, self.shard_start + self.shard_numel

@@ -128,9 +128,10 @@ class GradReducer:
         autograd accumulates in place (no per-parameter gradient tensors, no copies; see the
         [Note: gradients as buffer views])."""
         flat.full_grad = torch.zeros(flat.padded_numel, dtype=like.dtype, device=like.device)
+        views = flat.grad_views()
         for i in flat.trainable:
             if flat.params[i].grad is None:
-                flat.params[i].grad = flat.grad_view(i)
+                flat.params[i].grad = views[i]
 
     def _launch_completed(self) -> None:
         while self._next < len(self.flats) and len(self.flats[self._next].ready) == len(
