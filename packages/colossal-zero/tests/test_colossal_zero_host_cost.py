@@ -49,3 +49,35 @@ def test_gradient_hooks_dispatch_no_operator_per_parameter():
     views = {s: sum(extra[s].get(k, 0) for k in ("split_with_sizes", "slice", "view")) for s in (2, 3)}
     m = got["shaped"]
     assert views[2] <= m + 12 and views[3] <= m + 40, (n, m, views, extra)
+
+
+def _grads_after_user_zero_grad() -> list:
+    x, y = rank_batch(0, 0, 1, 1, 0)
+    model = make_model()
+    zero = ZeroOptimizer(make_optimizer(model), model, stage=1)  # stage 1 keeps its buffer for good
+    zero.backward(loss_of(model, x, y))
+    want = [p.grad.clone() for p in model.parameters()]
+    zero.zero_grad()
+    model.zero_grad(set_to_none=True)  # the user's own loop drops the .grad views
+    loss, ops = loss_of(model, x, y), OpCounter()
+    with ops:
+        zero.backward(loss)
+    plain = make_model()
+    loss_of(plain, x, y).backward()
+    loss, ref = loss_of(plain, x, y), OpCounter()
+    with ref:
+        loss.backward()  # accumulates into existing gradients, as the slots do
+    made = sum(ops.count[k] - ref.count[k] for k in ("split_with_sizes", "slice", "view"))
+    spans = [(f.full_grad.data_ptr(), f.full_grad.data_ptr() + f.full_grad.nbytes) for f in zero.reducer.flats]
+    in_slot = [any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in model.parameters()]
+    diffs = [(p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want, strict=True)]
+    return diffs, in_slot, made, sum(1 for _ in model.parameters())
+
+
+def test_a_users_zero_grad_keeps_the_gradients_and_their_slots():
+    # The first hook after the user dropped the views folds the fresh gradient in and hands every
+    # parameter its slot again: the same gradients, and the rest accumulate in the buffer in place.
+    diffs, in_slot, made, n = run_distributed(_grads_after_user_zero_grad, 1, timeout=120)[0]
+    assert max(diffs) == 0.0 and all(in_slot), (diffs, in_slot)
+    # one split and the shaped views per buffer, not a slice and a view per parameter (2n)
+    assert made < n, (made, n)

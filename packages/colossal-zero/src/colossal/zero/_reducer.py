@@ -106,15 +106,19 @@ class GradReducer:
     def _on_grad(self, flat: FlatParam, index: int, param: torch.Tensor) -> None:
         self.ensure_callback()
         grad = param.grad
-        if flat.full_grad is None:
-            self._ensure_full_grad(flat, grad)
+        views = self._ensure_full_grad(flat, grad) if flat.full_grad is None else None
         full = flat.full_grad
         # Is ``.grad`` still our slot? A pointer compare, no view made: the common case dispatches no
         # operator at all (one slice and one view per parameter and step before).
         if grad.data_ptr() != full.data_ptr() + flat.offsets[index] * full.element_size():
-            view = flat.grad_view(index)  # autograd made a fresh tensor (or the user dropped ours): fold it in
-            view.add_(grad)
-            param.grad = view
+            # autograd made a fresh tensor (the user dropped ours, e.g. model.zero_grad()): fold it in,
+            # and hand every parameter without a .grad its slot again, so the rest accumulate in place
+            views = flat.grad_views() if views is None else views
+            views[index].add_(grad)
+            param.grad = views[index]
+            for i in flat.trainable:
+                if flat.params[i].grad is None:
+                    flat.params[i].grad = views[i]
         flat.ready.add(index)
         flat.got_grad.add(index)
         if len(flat.ready) == len(flat.trainable):
@@ -123,7 +127,7 @@ class GradReducer:
             if self.sync:
                 self._launch_completed()
 
-    def _ensure_full_grad(self, flat: FlatParam, like: torch.Tensor) -> None:
+    def _ensure_full_grad(self, flat: FlatParam, like: torch.Tensor) -> list[torch.Tensor]:
         """Allocate the flat gradient buffer and make every parameter's ``.grad`` a view of it, so
         autograd accumulates in place (no per-parameter gradient tensors, no copies; see the
         [Note: gradients as buffer views])."""
@@ -132,6 +136,7 @@ class GradReducer:
         for i in flat.trainable:
             if flat.params[i].grad is None:
                 flat.params[i].grad = views[i]
+        return views
 
     def _launch_completed(self) -> None:
         while self._next < len(self.flats) and len(self.flats[self._next].ready) == len(
