@@ -220,12 +220,11 @@ class GeminiOptimizer(OptimizerWrapper):
 
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
         """Whether any rank's gradients hold an inf or NaN. On one rank with gradients in ``param.grad``
-        (``[Note: native gradients]``) finite L1 norms prove it first (one foreach operator for all
-        the tensors, empty ones included: a sum per tensor dispatched one operator each, host time on
-        a GPU; summed in fp32, so fp16 gradients do not overflow it; a norm that is not finite only sends
-        the check to the exact path;
-        ``has_inf_or_nan`` adds grouping, a flag and a reduction that cost as much again on small
-        models) and ``has_inf_or_nan`` decides only when a norm is not finite."""
+        (``[Note: native gradients]``) finite L1 norms prove it first: one foreach operator for all the
+        tensors (a sum per tensor was one operator each: host time on a GPU), accumulated in fp32 so
+        fp16 gradients do not overflow it, empty tensors included. ``has_inf_or_nan`` (grouping, a
+        flag and a reduction that cost as much again on small models) decides only when a norm is
+        not finite."""
         if self.model.native_grads() is not None and grads:
             if bool(torch.stack(torch._foreach_norm(grads, 1, dtype=torch.float32)).isfinite().all()):
                 return False

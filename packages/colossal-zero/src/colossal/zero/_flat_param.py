@@ -129,14 +129,9 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
 
-    def grad_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s slot in ``full_grad``, shaped like the parameter."""
-        off, n = self.offsets[index], self.numels[index]
-        return self.full_grad[off : off + n].view(self.shapes[index])
-
     def grad_views(self) -> list[torch.Tensor]:
         """Every parameter's slot in ``full_grad``, shaped like it: one split for all of them and a view
-        only where the parameter is not 1-D (host cost: ``grad_view`` per parameter dispatches two
+        only where the parameter is not 1-D (host cost: a slice and a view per parameter would be two
         operators each, and stages 2-3 make a new buffer every step)."""
         pad = self.padded_numel - self.numel
         parts = self.full_grad.split_with_sizes(self.numels + [pad] if pad else self.numels)

@@ -84,7 +84,7 @@ class GradReducer:
             dtype = flat.shard.dtype
         flat.grad_dtype, flat.grad_device = dtype, device
         if self.keep_full_grad:
-            self._ensure_full_grad(flat, torch.empty(0, dtype=dtype, device=device))
+            self._new_full_grad(flat, torch.empty(0, dtype=dtype, device=device))
 
     def sharded_grad(self, flat: FlatParam) -> torch.Tensor:
         """This rank's slice of the reduced (summed) gradient of ``flat``, ``(shard_numel,)``."""
@@ -106,7 +106,7 @@ class GradReducer:
     def _on_grad(self, flat: FlatParam, index: int, param: torch.Tensor) -> None:
         self.ensure_callback()
         grad = param.grad
-        views = self._ensure_full_grad(flat, grad) if flat.full_grad is None else None
+        views = self._new_full_grad(flat, grad) if flat.full_grad is None else None
         full = flat.full_grad
         # Is ``.grad`` still our slot? A pointer compare, no view made: the common case dispatches no
         # operator at all (one slice and one view per parameter and step before).
@@ -116,9 +116,7 @@ class GradReducer:
             views = flat.grad_views() if views is None else views
             views[index].add_(grad)
             param.grad = views[index]
-            for i in flat.trainable:
-                if flat.params[i].grad is None:
-                    flat.params[i].grad = views[i]
+            self._hand_out_slots(flat, views)
         flat.ready.add(index)
         flat.got_grad.add(index)
         if len(flat.ready) == len(flat.trainable):
@@ -127,16 +125,21 @@ class GradReducer:
             if self.sync:
                 self._launch_completed()
 
-    def _ensure_full_grad(self, flat: FlatParam, like: torch.Tensor) -> list[torch.Tensor]:
+    def _new_full_grad(self, flat: FlatParam, like: torch.Tensor) -> list[torch.Tensor]:
         """Allocate the flat gradient buffer and make every parameter's ``.grad`` a view of it, so
         autograd accumulates in place (no per-parameter gradient tensors, no copies; see the
-        [Note: gradients as buffer views])."""
+        [Note: gradients as buffer views]). Returns the views."""
         flat.full_grad = torch.zeros(flat.padded_numel, dtype=like.dtype, device=like.device)
         views = flat.grad_views()
+        self._hand_out_slots(flat, views)
+        return views
+
+    @staticmethod
+    def _hand_out_slots(flat: FlatParam, views: list[torch.Tensor]) -> None:
+        """Point every trainable parameter without a ``.grad`` at its slot of the buffer."""
         for i in flat.trainable:
             if flat.params[i].grad is None:
                 flat.params[i].grad = views[i]
-        return views
 
     def _launch_completed(self) -> None:
         while self._next < len(self.flats) and len(self.flats[self._next].ready) == len(
