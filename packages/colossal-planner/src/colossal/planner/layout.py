@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -10,7 +11,10 @@ from colossal.comm import as_bytes, as_dtype
 
 __all__ = ["Layout", "TierBytes", "OPTIMIZER_STATES"]
 
-ENGINES = ("ddp", "zero", "gemini")
+ENGINES = ("ddp", "zero", "gemini", "hybrid")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SP_KINDS = ("ring", "all_to_all")
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 OPTIMIZER_STATES: dict[str, int] = {
@@ -34,9 +38,31 @@ class Layout:
     """
 
     engine: str
-    """``"ddp"`` (torch DDP), ``"zero"`` (``colossal.zero``) or ``"gemini"`` (``colossal.gemini``)."""
+    """``"ddp"`` (torch DDP), ``"zero"`` (``colossal.zero``), ``"gemini"`` (``colossal.gemini``) or
+    ``"hybrid"`` (``colossalai.booster.HybridParallelPlugin``: dp x tp x sp x pp x ep, with DDP or
+    ZeRO 1/2 over dp; :mod:`colossal.planner.hybrid`)."""
     dp: int = 1
     """Data-parallel ranks."""
+    tp: int = 1
+    """Hybrid: tensor-parallel ranks (``tp_size``)."""
+    tp_mode: str = "1d"
+    """Hybrid: ``"1d"``, ``"2d"``, ``"2.5d"`` or ``"3d"``."""
+    tp_depth: int = 1
+    """Hybrid 2.5D: the depth ``d`` of ``tp = q^2 d``."""
+    sp: int = 1
+    """Hybrid: sequence-parallel ranks (``sp_size``)."""
+    sp_kind: str = "ring"
+    """Hybrid: ``"ring"`` or ``"all_to_all"`` attention."""
+    pp: int = 1
+    """Hybrid: pipeline stages (``pp_size``)."""
+    microbatches: int | None = None
+    """Hybrid: micro-batches per step (``num_microbatches``; ``None``: ``pp``)."""
+    pp_schedule: str = "1f1b"
+    """Hybrid: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zero_bubble"``."""
+    pp_virtual: int = 1
+    """Hybrid interleaved schedule: chunks per rank."""
+    ep: int = 1
+    """Hybrid: expert-parallel ranks (``ep_size``; they split the dp ranks)."""
     precision: torch.dtype = torch.float32
     """Working precision of parameters and activations (``"bf16"``... accepted)."""
     zero_stage: int = 0
@@ -94,6 +120,29 @@ class Layout:
                 if v < 1:
                     raise ValueError(f"Layout.{name} must be positive, got {v!r}")
                 object.__setattr__(self, name, v)
+        for name in ("tp", "tp_depth", "sp", "pp", "pp_virtual", "ep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{name} must be a positive int, got {v!r}")
+        if self.microbatches is None:
+            object.__setattr__(self, "microbatches", self.pp)
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"Layout.microbatches must be a positive int or None, got {m!r}")
+        if self.tp_mode not in TP_MODES:
+            raise ValueError(f"Layout.tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"Layout.pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+        if self.sp_kind not in SP_KINDS:
+            raise ValueError(f"Layout.sp_kind must be one of {SP_KINDS}, got {self.sp_kind!r}")
+        degrees = {n: getattr(self, n) for n in ("tp", "sp", "pp", "ep", "pp_virtual", "tp_depth")}
+        if self.engine != "hybrid":
+            extra = {n: v for n, v in degrees.items() if v != 1}
+            if extra:
+                raise ValueError(f"Layout({', '.join(f'{n}={v}' for n, v in extra.items())}) needs engine='hybrid', "
+                                 f"got engine={self.engine!r}")  # fmt: skip
+        else:
+            self._check_hybrid()
         if self.engine == "zero" and self.zero_stage not in (1, 2, 3):
             raise ValueError(f"Layout.zero_stage must be 1, 2 or 3 for engine='zero', got {self.zero_stage!r}")
         if self.placement not in ("static", "auto"):
@@ -115,10 +164,37 @@ class Layout:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
                 raise ValueError(f"Layout.{name} must be in [0, 1], got {v!r}")
 
+    def _check_hybrid(self) -> None:
+        """The degrees ``HybridParallelPlugin`` accepts together (its own checks, restated)."""
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"Layout.zero_stage must be 0 (DDP), 1 or 2 for engine='hybrid', got {self.zero_stage!r}")
+        if self.offload:
+            raise ValueError("Layout.offload is ZeRO-Offload (engine='zero'); the hybrid plugin does not offload")
+        tp, mode, d = self.tp, self.tp_mode, self.tp_depth
+        if mode == "2d" and math.isqrt(tp) ** 2 != tp:
+            raise ValueError(f"Layout.tp={tp} with tp_mode='2d' must be a square q^2")
+        if mode == "2.5d" and (tp % d or math.isqrt(tp // d) ** 2 != tp // d):
+            raise ValueError(f"Layout.tp={tp} with tp_mode='2.5d' must be q^2 x tp_depth (tp_depth={d})")
+        if mode == "3d" and round(tp ** (1 / 3)) ** 3 != tp:
+            raise ValueError(f"Layout.tp={tp} with tp_mode='3d' must be a cube q^3")
+        if d != 1 and mode != "2.5d":
+            raise ValueError(f"Layout.tp_depth={d} goes with tp_mode='2.5d', got tp_mode={mode!r}")
+        if self.pp_virtual > 1 and self.pp_schedule != "interleaved":
+            raise ValueError(f"Layout.pp_virtual={self.pp_virtual} needs pp_schedule='interleaved', "
+                             f"got {self.pp_schedule!r}")  # fmt: skip
+        if self.pp > 1 and self.pp_schedule == "interleaved" and self.microbatches % self.pp:
+            raise ValueError(f"pp_schedule 'interleaved' needs microbatches divisible by pp={self.pp}, "
+                             f"got microbatches={self.microbatches}")  # fmt: skip
+        if self.ep > 1:
+            if self.dp % self.ep:
+                raise ValueError(f"Layout.ep={self.ep} must divide the data-parallel ranks dp={self.dp}")
+            if tp > 1 and mode != "1d":
+                raise ValueError(f"Layout.ep={self.ep} composes with 1D tensor parallelism only, got tp_mode={mode!r}")
+
     @property
     def world(self) -> int:
         """Ranks the layout needs."""
-        return self.dp
+        return self.dp * self.tp * self.sp * self.pp
 
     @property
     def states(self) -> int:
@@ -133,6 +209,8 @@ class Layout:
             return f"zero{self.zero_stage}" + ("+offload" if self.offload else "")
         if self.engine == "gemini":
             return f"gemini-{self.placement}" + ("+disk" if self.disk else "")
+        if self.engine == "hybrid":
+            return "hybrid" + (f"+zero{self.zero_stage}" if self.zero_stage else "")
         return "ddp"
 
     @property
@@ -148,6 +226,19 @@ class Layout:
         if self.engine == "gemini" and self.placement == "static" and self.offload_optim_frac < 1.0:
             name += f" optim{100 * (1 - self.offload_optim_frac):.0f}%@device"
         prec = self.precision_name
+        if self.engine == "hybrid":
+            parts = [f"dp{self.dp}"]
+            if self.tp > 1:
+                parts.append(f"tp{self.tp}" + (f"({self.tp_mode}" + (f" d{self.tp_depth}" if self.tp_depth > 1 else "")
+                                                + ")" if self.tp_mode != "1d" else ""))  # fmt: skip
+            if self.sp > 1:
+                parts.append(f"sp{self.sp}" + ("(a2a)" if self.sp_kind == "all_to_all" else ""))
+            if self.pp > 1:
+                v = f" v{self.pp_virtual}" if self.pp_virtual > 1 else ""
+                parts.append(f"pp{self.pp}({self.pp_schedule} m{self.microbatches}{v})")
+            if self.ep > 1:
+                parts.append(f"ep{self.ep}")
+            return f"{name} {' '.join(parts)} {prec}"
         return f"{name} dp{self.dp} {prec}"
 
 

@@ -298,6 +298,10 @@ def predict_memory(
         return _ddp(trace, layout, device_type)
     if layout.engine == "zero":
         return _zero(trace, layout, device_type)
+    if layout.engine == "hybrid":
+        from colossal.planner.hybrid import hybrid_memory
+
+        return hybrid_memory(trace, layout, device_type)
     from colossal.planner.gemini import gemini_memory
 
     tiers, breakdown = gemini_memory(trace, layout, device_memory=device_memory or 0, device_type=device_type)

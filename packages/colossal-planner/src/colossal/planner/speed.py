@@ -64,6 +64,8 @@ def comm_calls(trace: ModelTrace, layout: Layout, buffers: int = 1) -> list[tupl
     parameters got a gradient (one byte per parameter); DDP and Gemini issue one call per bucket or
     chunk."""
     n = layout.dp
+    if layout.engine == "hybrid":
+        raise ValueError("comm_calls takes a data-parallel layout; a hybrid layout's are colossal.planner.hybrid's")
     if n == 1:
         return []
     w = layout.precision.itemsize
@@ -85,7 +87,12 @@ def comm_calls(trace: ModelTrace, layout: Layout, buffers: int = 1) -> list[tupl
 
 
 def comm_bytes(trace: ModelTrace, layout: Layout, buffers: int = 1) -> dict[str, int]:
-    """Message bytes per collective per step of one rank (:func:`comm_calls`, summed per op)."""
+    """Message bytes per collective per step of one rank (:func:`comm_calls`, summed per op; a
+    hybrid layout's keyed by group, :func:`colossal.planner.hybrid.hybrid_comm_bytes`)."""
+    if layout.engine == "hybrid":
+        from colossal.planner.hybrid import hybrid_comm_bytes
+
+        return hybrid_comm_bytes(trace, layout, buffers)
     out: dict[str, int] = {}
     for op, nbytes in comm_calls(trace, layout, buffers):
         out[op] = out.get(op, 0) + nbytes
@@ -93,7 +100,8 @@ def comm_bytes(trace: ModelTrace, layout: Layout, buffers: int = 1) -> dict[str,
 
 
 _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}  # fmt: skip
+           "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+           "all_to_all": lambda n: (n - 1) / n, "send": lambda n: 1.0}  # fmt: skip
 
 
 def predict_step_time(
@@ -114,6 +122,11 @@ def predict_step_time(
     sharded engine hands its optimizer (ZeRO's flats, Gemini's chunks); ``engine_overhead`` the
     engine's host seconds ``(per step, per parameter tensor)`` from the calibration; ``host_fraction``
     the part of the optimizer step a sharded engine runs on the host (Gemini's offloaded blocks)."""
+    if layout.engine == "hybrid":
+        from colossal.planner.hybrid import hybrid_step_time
+
+        return hybrid_step_time(trace, layout, hardware, op_overhead=op_overhead, n_step_tensors=n_step_tensors,
+                                engine_overhead=engine_overhead)  # fmt: skip
     bw = hardware.memory_bandwidth
     rate = functools.lru_cache(maxsize=None)(lambda f: hardware.matmul_rate(layout.precision, f))
     attn = functools.lru_cache(maxsize=None)(lambda f: hardware.attention_rate(layout.precision, f))

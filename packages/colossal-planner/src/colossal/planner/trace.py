@@ -19,18 +19,32 @@ models make on their inputs (Hugging Face's test for packed sequences, "all posi
 consecutive", is true for an ordinary batch). A model whose memory depends on its data (MoE token
 routing, say) is traced as if every such check took that path.
 
+[Note: what tensor parallelism splits]
+Megatron-style 1D tensor parallelism (``colossal.tensor_parallel``'s COL / ROW / HEADS styles)
+splits, inside each block, every tensor between a column-parallel and a row-parallel matmul (the
+attention heads, the MLP's inner width) and keeps every tensor of the hidden width whole (norms,
+residuals, the row matmul's all-reduced output). The trace classifies each tensor made inside a
+block by that rule: a matmul with a weight is a column matmul when its activation input is
+whole (its output is split) and a row matmul when that input is split (its output, all-reduced,
+is whole), in backward as in forward; any other operator's output (attention, element-wise, a
+matmul of two activations) is split when one of its inputs is. Outside the blocks (embedding,
+head, loss) nothing is split: the plugins gather the logits for the user's criterion. 2D/2.5D/3D
+partition every activation of a block (:attr:`ModelTrace.live_block`).
+
 [Note: what the trace is and is not]
 The trace is the plain single-process step. Engines change the model-state side only (where
 parameters, gradients and optimizer states live, and what is gathered when); the activation side
 is the model's own and is the same under every layout of the same micro-batch, precision and
-checkpointing. Tensor, sequence and pipeline parallelism change the activation side too; the planner
-does not predict them yet.
+checkpointing. Tensor, sequence and pipeline parallelism change the activation side too: the trace records
+which tensors tensor parallelism splits and which operators each block runs, and
+:mod:`colossal.planner.hybrid` derives one rank's step from them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import warnings
 import weakref
 from collections.abc import Callable
@@ -59,6 +73,15 @@ class ParamInfo:
     """False for a frozen parameter: no gradient and no optimizer state in any engine."""
     unit: int
     """Index in :attr:`ModelTrace.units` of the innermost ZeRO-3 unit owning it (0 = the root)."""
+    shape: tuple[int, ...] = ()
+    """Its shape."""
+    tied: bool = False
+    """Whether more than one module holds it (a tied embedding and LM head)."""
+    first_use: int = -1
+    """The first forward operator that reads it (-1: never read in the forward)."""
+    split_use: bool = False
+    """Whether that operator's output is split by 1D tensor parallelism (a column layer's weight
+    and bias; see [Note: what tensor parallelism splits])."""
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +128,29 @@ class ModelTrace:
     """Tokens in the traced micro-batch (``batch * seq``)."""
     input_bytes: int = 0
     """Bytes of the micro-batch's input tensors."""
+    hidden: int = 0
+    """The model's hidden width (its config's ``hidden_size`` / ``n_embd`` / ``d_model``, else the
+    most common size of a 1-D parameter); 0 when unknown."""
+    heads: int = 0
+    """Attention heads of the config (``num_attention_heads`` / ``n_head``); 0 when unknown."""
+    experts: int = 0
+    """Experts per MoE layer (the largest index under an ``experts`` module list, plus one); 0: dense."""
+    blocks: tuple[int, ...] = ()
+    """Indices in :attr:`units` of the model's blocks: the children of its outermost
+    ``nn.ModuleList`` (what pipeline parallelism cuts into stages)."""
+    live_split: tuple[int, ...] = ()
+    """Per operator: the part of :attr:`live` that 1D tensor parallelism splits (see
+    [Note: what tensor parallelism splits])."""
+    live_block: tuple[int, ...] = ()
+    """Per operator: the part of :attr:`live` allocated inside the blocks (what 2D/2.5D/3D tensor
+    parallelism partitions)."""
+    split: tuple[bool, ...] = ()
+    """Per operator: whether 1D tensor parallelism splits its work (inside a block, on a split tensor)."""
+    in_block: tuple[bool, ...] = ()
+    """Per operator: whether it runs inside one of :attr:`blocks` (forward, recomputation or backward)."""
+    reduce_bytes: tuple[int, ...] = ()
+    """Per operator: bytes 1D tensor parallelism all-reduces after it (a row matmul's output in
+    forward, a column matmul's input gradient in backward), else 0."""
 
     @property
     def ops(self) -> int:
@@ -182,6 +228,9 @@ def _fused_attention(device_type: str):
         nn.functional.scaled_dot_product_attention = original
 
 
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+            torch.ops.aten.linear, torch.ops.aten.matmul}  # fmt: skip
+
 _META_SCALARS = {torch.bool: True, torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 0.0, torch.float64: 0.0}
 """What ``.item()`` of a meta tensor returns in a trace (see [Note: data-dependent branches])."""
 
@@ -189,9 +238,22 @@ _META_SCALARS = {torch.bool: True, torch.float32: 0.0, torch.float16: 0.0, torch
 class _Recorder(TorchDispatchMode):
     """Counts live tensor storages (by weak reference) and per-operator FLOPs and bytes."""
 
-    def __init__(self, exclude: set[int]) -> None:
+    def __init__(self, exclude: set[int], params: dict[int, int]) -> None:
         super().__init__()
         self.exclude = exclude  # storages of parameters and buffers (model data, not traced)
+        self.params = params  # parameter storage -> its index (first use in the forward)
+        self.first_use: dict[int, int] = {}
+        self.first_split: dict[int, bool] = {}  # whether the first operator reading it splits its output
+        self.reduce_bytes: list[int] = []
+        self.depth = 0  # > 0 inside a block (its hooks count)
+        self.forward = True
+        self.split_keys: set[int] = set()
+        self.block_keys: set[int] = set()
+        self.cur_split = self.cur_block = 0
+        self.live_split: list[int] = []
+        self.live_block: list[int] = []
+        self.op_split: list[bool] = []
+        self.op_block: list[bool] = []
         self.sizes: dict[int, int] = {}
         self.alloc_op: dict[int, int] = {}
         self.cur = 0
@@ -201,9 +263,16 @@ class _Recorder(TorchDispatchMode):
         self.attention: list[bool] = []  # fused attention kernels: their own rate (Hardware.attention_rate)
 
     def _free(self, key: int) -> None:
-        self.cur -= self.sizes.pop(key)
+        n = self.sizes.pop(key)
+        self.cur -= n
+        if key in self.split_keys:
+            self.split_keys.discard(key)
+            self.cur_split -= n
+        if key in self.block_keys:
+            self.block_keys.discard(key)
+            self.cur_block -= n
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, split: bool) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.sizes or key in self.exclude:
@@ -212,6 +281,12 @@ class _Recorder(TorchDispatchMode):
         self.sizes[key] = n
         self.alloc_op[key] = len(self.live)
         self.cur += n
+        if self.depth > 0:
+            self.block_keys.add(key)
+            self.cur_block += n
+            if split:
+                self.split_keys.add(key)
+                self.cur_split += n
         weakref.finalize(storage, self._free, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -220,13 +295,32 @@ class _Recorder(TorchDispatchMode):
             # [Note: data-dependent branches] a meta tensor has no value; the model's own checks on
             # its inputs (Hugging Face's "are these packed sequences?") take the common path
             return _META_SCALARS.get(args[0].dtype, 0)
-        before = self.cur
+        before, before_split, before_block = self.cur, self.cur_split, self.cur_block
         out = func(*args, **kwargs)
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        for t in flat_out:
-            self._track(t)
         packet = func._overloadpacket
+        used = [i for t in flat_in if (i := self.params.get(t.untyped_storage()._cdata)) is not None]
+        split_in = self.depth > 0 and any(t.untyped_storage()._cdata in self.split_keys for t in flat_in)
+        if self.depth > 0 and packet in _MATMULS and used:
+            split = not split_in  # a column matmul splits, a row matmul's all-reduced output is whole
+        else:
+            split = split_in
+        # a row matmul's output is all-reduced over the tensor-parallel group (forward, and the
+        # column matmul's input gradient in backward)
+        reduced = self.depth > 0 and packet in _MATMULS and bool(used) and split_in and not split
+        self.reduce_bytes.append(sum(t.numel() * t.element_size() for t in flat_out) if reduced else 0)
+        if self.forward:
+            for i in used:
+                if i not in self.first_use:
+                    self.first_use[i] = len(self.live)
+                    self.first_split[i] = split
+        for t in flat_out:
+            self._track(t, split)
+        self.op_split.append(self.depth > 0 and (split or split_in))
+        self.op_block.append(self.depth > 0)
+        self.live_split.append(max(before_split, self.cur_split))
+        self.live_block.append(max(before_block, self.cur_block))
         counter = flop_registry.get(packet)
         if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:  # not in torch's registry
             flops = float(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
@@ -325,7 +419,13 @@ def trace_model(
             params.append((name, p))
     exclude = {p.untyped_storage()._cdata for _, p in params} | {b.untyped_storage()._cdata for b in model.buffers()}
     unit_names, unit_mods, unit_of = _units(model)
-    rec = _Recorder(exclude)
+    hidden = _config_int(model, "hidden_size", "n_embd", "d_model")
+    if not hidden:  # the most common size of a 1-D parameter (norms, biases of the hidden width)
+        sizes = [p.numel() for _, p in params if p.dim() == 1]
+        hidden = max(set(sizes), key=sizes.count) if sizes else 0
+    blocks = [i for i, n in enumerate(unit_names) if i and not any(
+        o and n.startswith(o + ".") for o in unit_names[1:i])]  # fmt: skip
+    rec = _Recorder(exclude, {p.untyped_storage()._cdata: i for i, (_, p) in enumerate(params)})
     forward: dict[int, list[int]] = {}
     backward: dict[int, int] = {}
     hooks = []
@@ -343,6 +443,11 @@ def trace_model(
         hooks.append(mod.register_forward_pre_hook(lambda *_, i=i: on_forward_start(i)))
         hooks.append(mod.register_forward_hook(lambda *_, i=i: on_forward_end(i)))
         hooks.append(mod.register_full_backward_pre_hook(lambda *_, i=i: on_backward_start(i)))
+    for i in blocks:  # rec.depth > 0 inside a block, forward (and recomputation) and backward
+        hooks.append(unit_mods[i].register_forward_pre_hook(lambda *_: _enter(rec)))
+        hooks.append(unit_mods[i].register_forward_hook(lambda *_: _leave(rec)))
+        hooks.append(unit_mods[i].register_full_backward_pre_hook(lambda *_: _enter(rec)))
+        hooks.append(unit_mods[i].register_full_backward_hook(lambda *_: _leave(rec)))
     try:
         with _fused_attention(device_type), rec, warnings.catch_warnings():
             # the root's backward hook cannot see through a model output object (Hugging Face's):
@@ -352,6 +457,7 @@ def trace_model(
             value = loss_fn(out, *args)
             del out
             start = len(rec.live)
+            rec.forward = False
             with warnings.catch_warnings():  # a unit whose inputs need no gradient (the embedding's)
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 value.backward()
@@ -368,17 +474,37 @@ def trace_model(
         grad_op[i] = rec.alloc_op.get(key, start)
     # Gradients are model data: their bytes leave the live series from the operator that made them
     # (each engine puts them back by its own rule; plain PyTorch keeps each one to the step).
-    live = list(rec.live)
-    drop = [0] * (len(live) + 1)
-    for key, i in grad_keys.items():
-        if key in rec.alloc_op:
-            drop[rec.alloc_op[key]] += params[i][1].numel() * params[i][1].element_size()
-    acc = 0
-    for j in range(len(live)):
-        acc += drop[j]
-        # the operator that produced a gradient still held it as an incoming tensor: count it there
-        live[j] -= acc - drop[j]
-    infos = tuple(ParamInfo(name, p.numel(), p.dtype, p.requires_grad, unit_of.get(p, 0)) for name, p in params)
+    series = (list(rec.live), list(rec.live_split), list(rec.live_block))
+    for n, keys in enumerate((None, rec.split_keys, rec.block_keys)):  # gradients are live to the end
+        live = series[n]
+        drop = [0] * (len(live) + 1)
+        for key, i in grad_keys.items():
+            if key in rec.alloc_op and (keys is None or key in keys):
+                drop[rec.alloc_op[key]] += params[i][1].numel() * params[i][1].element_size()
+        acc = 0
+        for j in range(len(live)):
+            acc += drop[j]
+            # the operator that produced a gradient still held it as an incoming tensor: count it there
+            live[j] -= acc - drop[j]
+    live = series[0]
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    infos = tuple(
+        ParamInfo(
+            name,
+            p.numel(),
+            p.dtype,
+            p.requires_grad,
+            unit_of.get(p, 0),
+            tuple(p.shape),
+            uses[id(p)] > 1,
+            rec.first_use.get(i, -1),
+            rec.first_split.get(i, False),
+        )  # fmt: skip
+        for i, (name, p) in enumerate(params)
+    )
+    experts = [int(m.group(1)) for name, _ in params if (m := re.search(r"(?:^|\.)experts\.(\d+)\.", name))]
     return ModelTrace(
         params=infos,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
@@ -397,4 +523,31 @@ def trace_model(
         unit_backward=tuple(backward.get(i, start) for i in range(len(unit_mods))),
         tokens=batch * seq,
         input_bytes=sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)),
+        hidden=hidden,
+        heads=_config_int(model, "num_attention_heads", "n_head", "num_heads"),
+        experts=max(experts) + 1 if experts else 0,
+        blocks=tuple(blocks),
+        live_split=tuple(series[1]),
+        live_block=tuple(series[2]),
+        split=tuple(rec.op_split),
+        in_block=tuple(rec.op_block),
+        reduce_bytes=tuple(rec.reduce_bytes),
     )
+
+
+def _config_int(model: nn.Module, *names: str) -> int:
+    """The first of ``names`` that ``model.config`` (or the model) has as a positive int, else 0."""
+    for owner in (getattr(model, "config", None), model):
+        for name in names:
+            v = getattr(owner, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return 0
+
+
+def _enter(rec: _Recorder) -> None:
+    rec.depth += 1
+
+
+def _leave(rec: _Recorder) -> None:
+    rec.depth = max(0, rec.depth - 1)

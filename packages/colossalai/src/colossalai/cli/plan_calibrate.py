@@ -63,6 +63,8 @@ def build_engine(model: torch.nn.Module, layout: Layout, disk_dir: str | None = 
             zero.zero_grad()
 
         return model, step
+    if layout.engine == "hybrid":
+        return _hybrid_engine(model, opt, layout)
     from colossal.gemini import GeminiDDP, GeminiOptimizer
 
     kw = dict(placement=layout.placement, device_memory_budget=layout.device_budget, chunk_size=layout.chunk_size,
@@ -80,6 +82,30 @@ def build_engine(model: torch.nn.Module, layout: Layout, disk_dir: str | None = 
         gopt.zero_grad()
 
     return gem, step
+
+
+def _hybrid_engine(model: torch.nn.Module, opt, layout: Layout):
+    """``HybridParallelPlugin`` with ``layout``'s degrees, through the Booster (fp32 weights, the
+    layout's precision as autocast)."""
+    from colossalai.booster import Booster, HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(tp_size=layout.tp, tp_mode=layout.tp_mode, tp_depth=layout.tp_depth,
+                                  sp_size=layout.sp, sp_kind=layout.sp_kind, zero_stage=layout.zero_stage,
+                                  pp_size=layout.pp, num_microbatches=layout.microbatches,
+                                  pp_schedule=layout.pp_schedule, pp_virtual=layout.pp_virtual,
+                                  ep_size=layout.ep)  # fmt: skip
+    booster = Booster(plugin=plugin, mixed_precision=layout.precision_name)
+    module, optim, *_ = booster.boost(model, opt)
+
+    def step(x):
+        if layout.pp > 1:
+            booster.execute_pipeline((x, x), module, lambda out, y: lm_loss(out, y), optim)
+        else:
+            booster.backward(lm_loss(module(x), x), optim)
+        optim.step()
+        optim.zero_grad()
+
+    return module, step
 
 
 def _timed_step(layout: Layout, cfg: GPTConfig, batch: int, seq: int, reps: int) -> float:
