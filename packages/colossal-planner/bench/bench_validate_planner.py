@@ -111,6 +111,23 @@ def cases(quick: bool) -> list[Case]:
                             continue
                         lay = Layout(engine="zero", dp=dp, zero_stage=stage, offload=off, precision=prec)
                         out.append(Case(f"{lay.label}{' ckpt' if ck else ''}", lay, checkpointing=ck))
+    hybrid = [  # HybridParallelPlugin (fp32; seq 48 differs from the width 64)
+        Layout(engine="hybrid", tp=2),
+        Layout(engine="hybrid", sp=2),
+        Layout(engine="hybrid", sp=2, sp_kind="all_to_all"),
+        Layout(engine="hybrid", pp=2, microbatches=2),
+        Layout(engine="hybrid", pp=2, microbatches=4, pp_schedule="gpipe"),
+        Layout(engine="hybrid", pp=2, microbatches=4, pp_schedule="zero_bubble"),
+        Layout(engine="hybrid", pp=2, microbatches=2, pp_schedule="interleaved", pp_virtual=2),
+        Layout(engine="hybrid", dp=2, zero_stage=1),
+        Layout(engine="hybrid", dp=2, zero_stage=2),
+        Layout(engine="hybrid", dp=2, tp=2),
+        Layout(engine="hybrid", tp=2, pp=2, microbatches=2),
+        Layout(engine="hybrid", tp=2, sp=2),
+        Layout(engine="hybrid", tp=4, tp_mode="2d"),
+    ]
+    for lay in hybrid if not quick else []:
+        out.append(Case(lay.label, lay, n_layer=4, seq=48))
     if not quick:
         out.append(Case("zero2 small buckets", Layout(engine="zero", zero_stage=2, bucket_numel=20_000)))
         out.append(Case("zero1 wide", Layout(engine="zero", zero_stage=1), n_embd=128, n_layer=2, seq=32))

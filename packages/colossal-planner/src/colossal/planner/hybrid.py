@@ -53,7 +53,6 @@ __all__ = [
     "rank_step",
     "RankStep",
     "hybrid_comm_calls",
-    "hybrid_comm_bytes",
     "model_flops",
     "in_flight",
 ]
@@ -195,7 +194,8 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
     mine = list(range(rank, len(chunks), layout.pp))
     tp = layout.tp
     part = trace.live_split if layout.tp_mode == "1d" else trace.live_block
-    frac = (1 - 1 / tp) if tp > 1 and part else 0.0
+    act_split = tp if layout.tp_mode in ("1d", "3d") else grid_side(layout)  # SUMMA gathers rows: q ways
+    frac = (1 - 1 / act_split) if tp > 1 and part else 0.0
     boundary = trace.batch * trace.seq * trace.hidden * trace.dtype.itemsize
     b = trace.blocks
     # the head and loss: the plugins gather the logits for the user's criterion. Under sp the
@@ -340,142 +340,3 @@ def model_flops(trace: ModelTrace, layout: Layout, batch: int) -> float:
     fwd = sum(f * (s * s if a else s) for f, a in zip(trace.flops[: trace.backward_start],
                                                    trace.attention[: trace.backward_start], strict=True))  # fmt: skip
     return 3 * fwd * batch / trace.batch
-
-
-def hybrid_memory(trace: ModelTrace, layout: Layout, device_type: str):
-    """Peak bytes of the busiest pipeline rank (a :class:`~colossal.planner.MemoryPrediction`)."""
-    from colossal.planner.layout import TierBytes
-    from colossal.planner.memory import _STEP_BYTES, MemoryPrediction, _optimizer_transient, _Timeline, _zero
-
-    check_hybrid(trace, layout)
-    group = layout.dp * layout.sp  # gradients are averaged over dp x sp
-    best = None
-    for r in range(layout.pp):
-        st = rank_step(trace, layout, r)
-        t = st.trace
-        if layout.zero_stage:
-            inner = Layout(engine="zero", zero_stage=layout.zero_stage, dp=group, precision=torch.float32,
-                           bucket_numel=layout.bucket_numel, optimizer=layout.optimizer)  # fmt: skip
-            mem = _zero(t, inner, device_type)
-            breakdown = dict(mem.breakdown)
-            tiers = mem.tiers
-        else:
-            # DDP over dp x sp (gradient_as_bucket_view off: buckets beside the .grad tensors); under
-            # pp one flat all-reduce after the pipeline (pp.average_over_dp); one rank: plain grads
-            trainable = [p.numel for p in t.params if p.requires_grad]
-            params = t.numel * 4 + t.buffer_bytes
-            grads = sum(trainable) * 4
-            states = layout.states * grads + (_STEP_BYTES * len(trainable) if layout.states else 0)
-            tl = _Timeline(t.ops)
-            for p, op in zip(t.params, t.grad_op, strict=True):
-                if op >= 0:
-                    tl.hold(op + 1, t.ops, p.numel * 4)
-            gloo = device_type == "cpu"
-            buckets = grads if (group > 1 and layout.pp == 1) else 0
-            if buckets and gloo:  # [Note: gloo's scratch copy] in memory.py, one bucket at a time
-                tl.hold(t.backward_start, t.ops, min(buckets, layout.ddp_bucket_cap_mb << 20))
-            peak_bwd, _ = tl.peak(t.live)
-            flat = grads * (2 if gloo else 1) if (group > 1 and layout.pp > 1) else 0
-            step = _optimizer_transient(trainable, device_type, layout.states)
-            persistent = params + buckets + states + t.input_bytes
-            after = grads + max(flat, step)  # after backward: the gradients, then the flat average or the step
-            device = persistent + max(peak_bwd, after)
-            tiers = TierBytes(device=device)
-            breakdown = {"params": params, "grads": grads, "buckets": buckets, "optimizer_states": states,
-                         "inputs": t.input_bytes, "activations": peak_bwd, "step_transient": step,
-                         "combined": device, "optimizer_tensors": len(trainable)}  # fmt: skip
-        breakdown.update(pp_rank=r, in_flight_bytes=st.in_flight_bytes, autocast_bytes=st.autocast_bytes,
-                         rank_params=t.numel)  # fmt: skip
-        if best is None or tiers.device > best.tiers.device:
-            best = MemoryPrediction(tiers, breakdown)
-    return best
-
-
-def _group_link(hardware, layout: Layout, axis: str) -> tuple[float, float]:
-    """(bandwidth, latency) of ``axis``'s group: the mesh is ``pp, dp, sp, tp`` (tp innermost), so a
-    group stays inside a node while the product of its axis and the axes inside it fits one."""
-    inner = {"tp": layout.tp, "sp": layout.sp * layout.tp, "ep": layout.ep * layout.sp * layout.tp,
-             "dp": layout.dp * layout.sp * layout.tp, "pp": layout.world}[axis]  # fmt: skip
-    if hardware.nodes > 1 and inner > hardware.devices_per_node:
-        return hardware.inter_node_bandwidth, hardware.inter_node_latency
-    return hardware.intra_node_bandwidth, hardware.link_latency
-
-
-def hybrid_step_time(trace: ModelTrace, layout: Layout, hardware, *, op_overhead: float, n_step_tensors: int = 1,
-                     engine_overhead: tuple[float, float] = (0.0, 0.0)):  # fmt: skip
-    """Seconds of one step of the slowest pipeline rank (a :class:`~colossal.planner.StepTime`)."""
-    from colossal.planner.speed import (
-        _ADAM_ACCESSES,
-        _ADAM_FOREACH_OPS,
-        _ADAM_OPS_PER_TENSOR,
-        _FACTOR,
-        StepTime,
-        comm_calls,
-    )
-
-    check_hybrid(trace, layout)
-    bw = hardware.memory_bandwidth
-    tp, one_d = layout.tp, layout.tp_mode == "1d"
-    m = layout.microbatches
-    worst = None
-    for r in range(layout.pp):
-        st = rank_step(trace, layout, r)
-        per_mb = 0.0
-        for j in st.compute_ops:
-            f, b, a = trace.flops[j], trace.io_bytes[j], trace.attention[j]
-            if layout.sp > 1 and a:
-                f *= layout.sp  # each query chunk attends to the whole sequence
-            if tp > 1 and (trace.split[j] if one_d else trace.in_block[j]):
-                f, b = f / tp, b / tp
-            rate = hardware.attention_rate(layout.precision, f) if a else hardware.matmul_rate(layout.precision, f)
-            per_mb += max(f / rate if f else 0.0, b / bw) + op_overhead
-        backward = per_mb * (1 - st.trace.backward_start / max(1, len(st.compute_ops)))
-        crit = 0.0  # collectives on the critical path, per step
-        for op, nbytes, axis in hybrid_comm_calls(trace, layout, st):
-            n = {"tp": tp, "sp": layout.sp, "pp": 2, "ep": layout.ep}[axis]
-            link, alpha = _group_link(hardware, layout, axis)
-            crit += alpha + nbytes * _FACTOR[op](n) / link
-        group = layout.dp * layout.sp
-        inner = _dp_layout(layout)
-        link, alpha = _group_link(hardware, layout, "dp")
-        reductions = sum(
-            alpha + nb * _FACTOR[op](group) / link for op, nb in comm_calls(st.trace, inner, n_step_tensors)
-        )
-        overlap = hardware.device_type == "cuda" and layout.pp == 1
-        dp_comm = max(0.0, reductions - backward * m) if overlap else reductions
-        bubble = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1 / layout.pp_virtual, "zero_bubble": 1 / 3}[
-            layout.pp_schedule
-        ] * (layout.pp - 1)
-        compute = per_mb * (m + bubble) + engine_overhead[0] + engine_overhead[1] * len(st.trace.params)
-        trainable = sum(p.numel for p in st.trace.params if p.requires_grad)
-        share = -(-trainable // group) if layout.zero_stage else trainable
-        optimizer = share * _ADAM_ACCESSES * 4 / bw * (layout.states > 0)
-        tensors = n_step_tensors if layout.zero_stage else sum(p.requires_grad for p in st.trace.params)
-        foreach = hardware.device_type == "cuda"
-        optimizer += (_ADAM_FOREACH_OPS if foreach else _ADAM_OPS_PER_TENSOR * max(1, tensors)) * op_overhead
-        t = StepTime(compute=compute, optimizer=optimizer, comm=crit + dp_comm, copies=0.0)
-        if worst is None or t.total > worst.total:
-            worst = t
-    return worst
-
-
-def _dp_layout(layout: Layout) -> Layout:
-    """The data-parallel engine over ``dp x sp`` that reduces a hybrid rank's gradients (fp32)."""
-    return Layout(engine="zero" if layout.zero_stage else "ddp", zero_stage=layout.zero_stage,
-                  dp=layout.dp * layout.sp, precision=torch.float32, bucket_numel=layout.bucket_numel,
-                  ddp_bucket_cap_mb=layout.ddp_bucket_cap_mb, optimizer=layout.optimizer)  # fmt: skip
-
-
-def hybrid_comm_bytes(trace: ModelTrace, layout: Layout, buffers: int = 1) -> dict[str, int]:
-    """Message bytes per collective per step of the first pipeline rank, keyed ``"<group>:<op>"``
-    (``"dp:all_reduce"``, ``"tp:all_reduce"``, ``"pp:send"``, ...)."""
-    from colossal.planner.speed import comm_calls
-
-    check_hybrid(trace, layout)
-    st = rank_step(trace, layout, 0)
-    out: dict[str, int] = {}
-    for op, nbytes in comm_calls(st.trace, _dp_layout(layout), buffers):
-        out[f"dp:{op}"] = out.get(f"dp:{op}", 0) + nbytes
-    for op, nbytes, axis in hybrid_comm_calls(trace, layout, st):
-        out[f"{axis}:{op}"] = out.get(f"{axis}:{op}", 0) + nbytes
-    return out

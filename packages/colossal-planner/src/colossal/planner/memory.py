@@ -28,10 +28,11 @@ import dataclasses
 
 import torch
 
+from colossal.planner.hybrid import check_hybrid, rank_step
 from colossal.planner.layout import Layout, TierBytes
 from colossal.planner.trace import ModelTrace
 
-__all__ = ["MemoryPrediction", "predict_memory"]
+__all__ = ["MemoryPrediction", "predict_memory", "hybrid_memory"]
 
 _STEP_BYTES = 4  # torch.optim keeps `step` as a float32 scalar tensor per parameter it steps
 
@@ -282,6 +283,52 @@ def _zero(trace: ModelTrace, layout: Layout, device_type: str) -> MemoryPredicti
     )
 
 
+def hybrid_memory(trace: ModelTrace, layout: Layout, device_type: str):
+    """Peak bytes of the busiest pipeline rank (a :class:`~colossal.planner.MemoryPrediction`)."""
+    check_hybrid(trace, layout)
+    group = layout.dp * layout.sp  # gradients are averaged over dp x sp
+    best = None
+    for r in range(layout.pp):
+        st = rank_step(trace, layout, r)
+        t = st.trace
+        if layout.zero_stage:
+            inner = Layout(engine="zero", zero_stage=layout.zero_stage, dp=group, precision=torch.float32,
+                           bucket_numel=layout.bucket_numel, optimizer=layout.optimizer)  # fmt: skip
+            mem = _zero(t, inner, device_type)
+            breakdown = dict(mem.breakdown)
+            tiers = mem.tiers
+        else:
+            # DDP over dp x sp (gradient_as_bucket_view off: buckets beside the .grad tensors); under
+            # pp one flat all-reduce after the pipeline (pp.average_over_dp); one rank: plain grads
+            trainable = [p.numel for p in t.params if p.requires_grad]
+            params = t.numel * 4 + t.buffer_bytes
+            grads = sum(trainable) * 4
+            states = layout.states * grads + (_STEP_BYTES * len(trainable) if layout.states else 0)
+            tl = _Timeline(t.ops)
+            for p, op in zip(t.params, t.grad_op, strict=True):
+                if op >= 0:
+                    tl.hold(op + 1, t.ops, p.numel * 4)
+            gloo = device_type == "cpu"
+            buckets = grads if (group > 1 and layout.pp == 1) else 0
+            if buckets and gloo:  # [Note: gloo's scratch copy] in memory.py, one bucket at a time
+                tl.hold(t.backward_start, t.ops, min(buckets, layout.ddp_bucket_cap_mb << 20))
+            peak_bwd, _ = tl.peak(t.live)
+            flat = grads * (2 if gloo else 1) if (group > 1 and layout.pp > 1) else 0
+            step = _optimizer_transient(trainable, device_type, layout.states)
+            persistent = params + buckets + states + t.input_bytes
+            after = grads + max(flat, step)  # after backward: the gradients, then the flat average or the step
+            device = persistent + max(peak_bwd, after)
+            tiers = TierBytes(device=device)
+            breakdown = {"params": params, "grads": grads, "buckets": buckets, "optimizer_states": states,
+                         "inputs": t.input_bytes, "activations": peak_bwd, "step_transient": step,
+                         "combined": device, "optimizer_tensors": len(trainable)}  # fmt: skip
+        breakdown.update(pp_rank=r, in_flight_bytes=st.in_flight_bytes, autocast_bytes=st.autocast_bytes,
+                         rank_params=t.numel)  # fmt: skip
+        if best is None or tiers.device > best.tiers.device:
+            best = MemoryPrediction(tiers, breakdown)
+    return best
+
+
 def predict_memory(
     trace: ModelTrace, layout: Layout, *, device_type: str = "cpu", device_memory: int | None = None
 ) -> MemoryPrediction:
@@ -299,8 +346,6 @@ def predict_memory(
     if layout.engine == "zero":
         return _zero(trace, layout, device_type)
     if layout.engine == "hybrid":
-        from colossal.planner.hybrid import hybrid_memory
-
         return hybrid_memory(trace, layout, device_type)
     from colossal.planner.gemini import gemini_memory
 

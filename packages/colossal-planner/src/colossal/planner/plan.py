@@ -16,12 +16,13 @@ from torch import nn
 
 from colossal.comm import as_dtype
 from colossal.planner.hardware import Hardware
+from colossal.planner.hybrid import model_flops
 from colossal.planner.layout import Layout, TierBytes
 from colossal.planner.memory import MemoryPrediction, predict_memory
 from colossal.planner.speed import StepTime, comm_bytes, predict_step_time
 from colossal.planner.trace import ModelTrace, trace_model
 
-__all__ = ["Candidate", "plan", "candidate_layouts", "format_bytes"]
+__all__ = ["Candidate", "plan", "candidate_layouts", "hybrid_layouts", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -80,13 +81,27 @@ class Candidate:
         lay = self.layout
         if self.nodes > 1 or (lay.engine == "gemini" and (lay.offload_optim_frac != 1.0 or lay.offload_param_frac)):
             return None
-        parts = ["colossalai train", f"--nproc {lay.dp}", f"{model_flags}", f"--plugin {lay.engine}",
+        if lay.engine == "hybrid" and lay.zero_stage:  # --zero-stage is the zero plugin's
+            return None
+        parts = ["colossalai train", f"--nproc {lay.world}", f"{model_flags}", f"--plugin {lay.engine}",
                  f"--batch-size {batch}", f"--seq-len {seq}", f"--precision {lay.precision_name}",
                  "--activation-checkpointing" if self.checkpointing else "--no-activation-checkpointing"]  # fmt: skip
         if lay.engine == "zero":
             parts.append(f"--zero-stage {lay.zero_stage}")
             if lay.offload:
                 parts.append("--offload")
+        if lay.engine == "hybrid":
+            parts.append(f"--tp-size {lay.tp} --tp-mode {lay.tp_mode}")
+            if lay.tp_depth > 1:
+                parts.append(f"--tp-depth {lay.tp_depth}")
+            if lay.sp > 1:
+                parts.append(f"--sp-size {lay.sp} --sp-kind {lay.sp_kind}")
+            if lay.pp > 1:
+                parts.append(f"--pp-size {lay.pp} --microbatches {lay.microbatches} --pp-schedule {lay.pp_schedule}")
+                if lay.pp_virtual > 1:
+                    parts.append(f"--pp-virtual {lay.pp_virtual}")
+            if lay.ep > 1:
+                parts.append(f"--ep-size {lay.ep}")
         if lay.engine == "gemini":
             parts.append(f"--placement {lay.placement}")
             if self.device_budget:
@@ -104,6 +119,25 @@ class Candidate:
             plugin = "TorchDDPPlugin()"
         elif lay.engine == "zero":
             plugin = f"ZeroPlugin(stage={lay.zero_stage}, offload={lay.offload})"
+        elif lay.engine == "hybrid":
+            args = [f"tp_size={lay.tp}", f'tp_mode="{lay.tp_mode}"']
+            if lay.tp_depth > 1:
+                args.append(f"tp_depth={lay.tp_depth}")
+            if lay.sp > 1:
+                args += [f"sp_size={lay.sp}", f'sp_kind="{lay.sp_kind}"']
+            if lay.pp > 1:
+                args += [
+                    f"pp_size={lay.pp}",
+                    f"num_microbatches={lay.microbatches}",
+                    f'pp_schedule="{lay.pp_schedule}"',
+                ]
+                if lay.pp_virtual > 1:
+                    args.append(f"pp_virtual={lay.pp_virtual}")
+            if lay.ep > 1:
+                args.append(f"ep_size={lay.ep}")
+            if lay.zero_stage:
+                args.append(f"zero_stage={lay.zero_stage}")
+            plugin = f"HybridParallelPlugin({', '.join(args)})"
         else:
             args = [f'placement="{lay.placement}"']
             if self.device_budget:
@@ -125,6 +159,8 @@ class Candidate:
         lines.append(
             "model, optimizer, criterion, dataloader, _ = booster.boost(model, optimizer, criterion, dataloader)"
         )
+        if lay.engine == "hybrid" and lay.pp > 1:
+            lines.append("# each step: loss = booster.execute_pipeline((x, y), model, criterion, optimizer)")
         return "\n".join(lines)
 
 
@@ -144,6 +180,33 @@ def candidate_layouts(
     if disk:
         out.append(Layout(engine="gemini", dp=world, placement="auto", disk=True, host_budget=host_budget or 2**30,
                           precision=precision))  # fmt: skip
+    return out
+
+
+def hybrid_layouts(
+    world: int, precision: torch.dtype, *, devices_per_node: int, batch: int, n_blocks: int, heads: int = 0
+) -> list[Layout]:
+    """Hybrid candidates on ``world`` ranks: 1D tensor parallelism inside a node (``tp`` a power of two
+    dividing the heads), pipelines of ``pp`` stages over the blocks (1F1B, as many micro-batches as
+    each data-parallel rank has sequences, up to ``4 pp``), data parallelism over the rest, DDP and ZeRO-1."""
+    out = []
+    tps = [t for t in (2, 4, 8) if t <= devices_per_node and world % t == 0 and (not heads or heads % t == 0)]
+    for tp in [1, *tps]:
+        for pp in (1, 2, 4, 8, 16):
+            if world % (tp * pp) or (pp > 1 and (n_blocks % pp or n_blocks < pp)) or tp * pp == 1:
+                continue
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            per_rank = batch // dp
+            m = 1
+            if pp > 1:
+                m = max((d for d in range(1, min(per_rank, 4 * pp) + 1) if per_rank % d == 0), default=1)
+            for zero in (0, 1):
+                if zero and dp == 1:
+                    continue
+                out.append(Layout(engine="hybrid", dp=dp, tp=tp, pp=pp, microbatches=m, zero_stage=zero,
+                                  precision=precision))  # fmt: skip
     return out
 
 
@@ -186,7 +249,8 @@ def plan(
     engine_overhead: dict[str, tuple[float, float]] | None = None,
     trace_kwargs: dict | None = None,
 ) -> list[Candidate]:
-    """Predict every layout (default :func:`candidate_layouts` over all of ``hardware``'s devices)
+    """Predict every layout (default :func:`candidate_layouts` over all of ``hardware``'s devices,
+    and for a model factory on several devices :func:`hybrid_layouts`)
     for ``model`` (a factory built on the meta device, or ready traces) at global ``batch`` sequences
     of ``seq`` tokens; returns those that fit first, fastest first, then the rest by how far over
     they are. ``op_overhead`` and ``engine_overhead`` are the calibration's
@@ -203,34 +267,45 @@ def plan(
         )
         if one_trace and precision != torch.float32:  # the DDP layout is the fp32 step
             layouts = [lay for lay in layouts if lay.engine != "ddp"]
+        if callable(model) and not isinstance(model, ModelTrace | dict) and world > 1:
+            # hybrid layouts need the model's blocks and heads: one small trace tells them
+            probe = trace_model(model, batch=1, seq=min(seq, 16), dtype=precision, device_type=hardware.device_type,
+                                **(trace_kwargs or {}))  # fmt: skip
+            layouts += hybrid_layouts(world, precision, devices_per_node=hardware.devices_per_node, batch=batch,
+                                      n_blocks=len(probe.blocks), heads=probe.heads)  # fmt: skip
     for lay in layouts:
-        if lay.dp > world:
-            raise ValueError(f"{lay.label} needs {lay.dp} ranks, {hardware.name} has {world} devices")
-        if batch % lay.dp:
-            raise ValueError(f"batch={batch} is not divisible by the {lay.dp} data-parallel ranks of {lay.label}")
-    traces: dict[tuple[torch.dtype, int], ModelTrace] = {}
+        if lay.world > world:
+            raise ValueError(f"{lay.label} needs {lay.world} ranks, {hardware.name} has {world} devices")
+        m = lay.microbatches if lay.engine == "hybrid" else 1
+        if batch % (lay.dp * m):
+            raise ValueError(
+                f"batch={batch} is not divisible by the {lay.dp} data-parallel ranks x {m} micro-batches of {lay.label}"
+            )
+        if seq % lay.sp:
+            raise ValueError(f"seq={seq} is not divisible by the {lay.sp} sequence-parallel ranks of {lay.label}")
+    traces: dict[tuple[torch.dtype, int, int], ModelTrace] = {}
 
-    def given(trace: ModelTrace, dtype: torch.dtype, micro: int) -> ModelTrace:
-        if (trace.batch, trace.seq, trace.dtype) != (micro, seq, dtype):
+    def given(trace: ModelTrace, dtype: torch.dtype, micro: int, tokens: int) -> ModelTrace:
+        if (trace.batch, trace.seq, trace.dtype) != (micro, tokens, dtype):
             raise ValueError(
                 f"the trace given is of batch={trace.batch}, seq={trace.seq}, dtype={trace.dtype}; this layout "
-                f"needs batch={micro} (the micro-batch of one rank), seq={seq}, dtype={dtype}"
+                f"needs batch={micro} (the micro-batch of one rank), seq={tokens} (its sequence chunk), dtype={dtype}"
             )
         return trace
 
-    def trace_for(dtype: torch.dtype, micro: int) -> ModelTrace:
+    def trace_for(dtype: torch.dtype, micro: int, tokens: int) -> ModelTrace:
         if isinstance(model, ModelTrace):
-            return given(model, dtype, micro)
+            return given(model, dtype, micro, tokens)
         if isinstance(model, dict):
             if dtype not in model:
                 raise ValueError(f"no trace for dtype {dtype} among the traces given ({sorted(map(str, model))})")
-            return given(model[dtype], dtype, micro)
-        key = (dtype, micro)
+            return given(model[dtype], dtype, micro, tokens)
+        key = (dtype, micro, tokens)
         if key not in traces:
             traces[key] = trace_model(
                 model,
                 batch=micro,
-                seq=seq,
+                seq=tokens,
                 dtype=dtype,
                 device_type=hardware.device_type,
                 activation_checkpointing=activation_checkpointing,
@@ -247,7 +322,8 @@ def plan(
 
     out = []
     for lay in layouts:
-        trace = trace_for(lay.precision, batch // lay.dp)
+        hybrid = lay.engine == "hybrid"
+        trace = trace_for(lay.precision, batch // lay.dp // (lay.microbatches if hybrid else 1), seq // lay.sp)
         try:
             mem = predict_memory(trace, lay, device_type=hardware.device_type, device_memory=hardware.device_memory)
         except NotImplementedError as exc:  # the engine refuses this layout (e.g. Gemini's disk tier kept gathered)
@@ -268,28 +344,32 @@ def plan(
             engine_overhead=(engine_overhead or {}).get(lay.engine_key, (0.0, 0.0)),
             host_fraction=mem.breakdown.get("optimizer_host_permille", 0) / 1000,
         )
-        short = _shortfalls(mem, hardware, min(lay.dp, hardware.devices_per_node))
+        try:
+            short = _shortfalls(mem, hardware, min(lay.world, hardware.devices_per_node))
+            comm = comm_bytes(trace, lay, mem.breakdown.get("optimizer_tensors", 1))
+        except ValueError as exc:  # a hybrid layout that cannot divide the model
+            raise ValueError(str(exc)) from None
         tokens = batch * seq / t.total
-        model_flops = 3 * trace.forward_flops * lay.dp  # forward + backward (2x), without recomputation
-        mfu = model_flops / t.total / (hardware.flops(lay.precision) * lay.dp)
+        # forward + backward (2x) of the whole global batch, without recomputation
+        mfu = model_flops(trace, lay, batch) / t.total / (hardware.flops(lay.precision) * lay.world)
         out.append(
             Candidate(
                 lay,
                 mem,
                 not short,
                 tuple(short),
-                comm_bytes(trace, lay, mem.breakdown.get("optimizer_tensors", 1)),
+                comm,
                 t,
                 tokens,
                 mfu,
                 checkpointing=activation_checkpointing,
-                nodes=-(-lay.dp // hardware.devices_per_node),
+                nodes=-(-lay.world // hardware.devices_per_node),
             )
         )
     fit = sorted((c for c in out if c.fits), key=lambda c: c.time.total)
 
     def over(c: Candidate) -> float:  # the worst tier's need over what the hardware has
-        t, per_node = c.tiers, min(c.layout.dp, hardware.devices_per_node)
+        t, per_node = c.tiers, min(c.layout.world, hardware.devices_per_node)
         return max(t.device / hardware.device_memory, t.host_total * per_node / hardware.host_memory)
 
     unfit = sorted((c for c in out if not c.fits and c.runnable), key=over)

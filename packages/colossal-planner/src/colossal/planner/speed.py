@@ -22,11 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
+
 from colossal.planner.hardware import Hardware
+from colossal.planner.hybrid import check_hybrid, hybrid_comm_calls, rank_step
 from colossal.planner.layout import Layout
 from colossal.planner.trace import ModelTrace
 
-__all__ = ["StepTime", "predict_step_time", "comm_bytes", "comm_calls"]
+__all__ = ["StepTime", "predict_step_time", "comm_bytes", "comm_calls", "hybrid_step_time", "hybrid_comm_bytes"]
 
 _ADAM_ACCESSES = 7  # fp32 reads: param, grad, exp_avg, exp_avg_sq; writes: param, exp_avg, exp_avg_sq
 _ADAM_OPS_PER_TENSOR = (
@@ -90,8 +93,6 @@ def comm_bytes(trace: ModelTrace, layout: Layout, buffers: int = 1) -> dict[str,
     """Message bytes per collective per step of one rank (:func:`comm_calls`, summed per op; a
     hybrid layout's keyed by group, :func:`colossal.planner.hybrid.hybrid_comm_bytes`)."""
     if layout.engine == "hybrid":
-        from colossal.planner.hybrid import hybrid_comm_bytes
-
         return hybrid_comm_bytes(trace, layout, buffers)
     out: dict[str, int] = {}
     for op, nbytes in comm_calls(trace, layout, buffers):
@@ -123,8 +124,6 @@ def predict_step_time(
     engine's host seconds ``(per step, per parameter tensor)`` from the calibration; ``host_fraction``
     the part of the optimizer step a sharded engine runs on the host (Gemini's offloaded blocks)."""
     if layout.engine == "hybrid":
-        from colossal.planner.hybrid import hybrid_step_time
-
         return hybrid_step_time(trace, layout, hardware, op_overhead=op_overhead, n_step_tensors=n_step_tensors,
                                 engine_overhead=engine_overhead)  # fmt: skip
     bw = hardware.memory_bandwidth
@@ -168,3 +167,93 @@ def predict_step_time(
     copies += moved_bytes / hardware.host_link_bandwidth
     copies += disk_bytes[0] / hardware.disk_read_bandwidth + disk_bytes[1] / hardware.disk_write_bandwidth
     return StepTime(compute=compute, optimizer=optimizer, comm=comm, copies=copies)
+
+
+def _group_link(hardware, layout: Layout, axis: str) -> tuple[float, float]:
+    """(bandwidth, latency) of ``axis``'s group: the mesh is ``pp, dp, sp, tp`` (tp innermost), so a
+    group stays inside a node while the product of its axis and the axes inside it fits one."""
+    inner = {"tp": layout.tp, "sp": layout.sp * layout.tp, "ep": layout.ep * layout.sp * layout.tp,
+             "dp": layout.dp * layout.sp * layout.tp, "pp": layout.world}[axis]  # fmt: skip
+    if hardware.nodes > 1 and inner > hardware.devices_per_node:
+        return hardware.inter_node_bandwidth, hardware.inter_node_latency
+    return hardware.intra_node_bandwidth, hardware.link_latency
+
+
+def hybrid_step_time(trace: ModelTrace, layout: Layout, hardware, *, op_overhead: float, n_step_tensors: int = 1,
+                     engine_overhead: tuple[float, float] = (0.0, 0.0)):  # fmt: skip
+    """Seconds of one step of the slowest pipeline rank (a :class:`~colossal.planner.StepTime`)."""
+    from colossal.planner.speed import (
+        _ADAM_ACCESSES,
+        _ADAM_FOREACH_OPS,
+        _ADAM_OPS_PER_TENSOR,
+        _FACTOR,
+        StepTime,
+        comm_calls,
+    )
+
+    check_hybrid(trace, layout)
+    bw = hardware.memory_bandwidth
+    tp, one_d = layout.tp, layout.tp_mode == "1d"
+    m = layout.microbatches
+    worst = None
+    for r in range(layout.pp):
+        st = rank_step(trace, layout, r)
+        per_mb = 0.0
+        for j in st.compute_ops:
+            f, b, a = trace.flops[j], trace.io_bytes[j], trace.attention[j]
+            if layout.sp > 1 and a:
+                f *= layout.sp  # each query chunk attends to the whole sequence
+            # split work: 1D's split operators, 2D/2.5D/3D's whole blocks, and the vocabulary-parallel
+            # LM head (the matmuls outside the blocks)
+            if tp > 1 and ((trace.split[j] if one_d else trace.in_block[j]) or (f and not trace.in_block[j])):
+                f, b = f / tp, b / tp
+            rate = hardware.attention_rate(layout.precision, f) if a else hardware.matmul_rate(layout.precision, f)
+            per_mb += max(f / rate if f else 0.0, b / bw) + op_overhead
+        backward = per_mb * (1 - st.trace.backward_start / max(1, len(st.compute_ops)))
+        crit = 0.0  # collectives on the critical path, per step
+        for op, nbytes, axis in hybrid_comm_calls(trace, layout, st):
+            n = {"tp": tp, "sp": layout.sp, "pp": 2, "ep": layout.ep}[axis]
+            link, alpha = _group_link(hardware, layout, axis)
+            crit += alpha + nbytes * _FACTOR[op](n) / link
+        group = layout.dp * layout.sp
+        inner = _dp_layout(layout)
+        link, alpha = _group_link(hardware, layout, "dp")
+        reductions = sum(
+            alpha + nb * _FACTOR[op](group) / link for op, nb in comm_calls(st.trace, inner, n_step_tensors)
+        )
+        overlap = hardware.device_type == "cuda" and layout.pp == 1
+        dp_comm = max(0.0, reductions - backward * m) if overlap else reductions
+        bubble = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 1 / layout.pp_virtual, "zero_bubble": 1 / 3}[
+            layout.pp_schedule
+        ] * (layout.pp - 1)
+        compute = per_mb * (m + bubble) + engine_overhead[0] + engine_overhead[1] * len(st.trace.params)
+        trainable = sum(p.numel for p in st.trace.params if p.requires_grad)
+        share = -(-trainable // group) if layout.zero_stage else trainable
+        optimizer = share * _ADAM_ACCESSES * 4 / bw * (layout.states > 0)
+        tensors = n_step_tensors if layout.zero_stage else sum(p.requires_grad for p in st.trace.params)
+        foreach = hardware.device_type == "cuda"
+        optimizer += (_ADAM_FOREACH_OPS if foreach else _ADAM_OPS_PER_TENSOR * max(1, tensors)) * op_overhead
+        t = StepTime(compute=compute, optimizer=optimizer, comm=crit + dp_comm, copies=0.0)
+        if worst is None or t.total > worst.total:
+            worst = t
+    return worst
+
+
+def _dp_layout(layout: Layout) -> Layout:
+    """The data-parallel engine over ``dp x sp`` that reduces a hybrid rank's gradients (fp32)."""
+    return Layout(engine="zero" if layout.zero_stage else "ddp", zero_stage=layout.zero_stage,
+                  dp=layout.dp * layout.sp, precision=torch.float32, bucket_numel=layout.bucket_numel,
+                  ddp_bucket_cap_mb=layout.ddp_bucket_cap_mb, optimizer=layout.optimizer)  # fmt: skip
+
+
+def hybrid_comm_bytes(trace: ModelTrace, layout: Layout, buffers: int = 1) -> dict[str, int]:
+    """Message bytes per collective per step of the first pipeline rank, keyed ``"<group>:<op>"``
+    (``"dp:all_reduce"``, ``"tp:all_reduce"``, ``"pp:send"``, ...)."""
+    check_hybrid(trace, layout)
+    st = rank_step(trace, layout, 0)
+    out: dict[str, int] = {}
+    for op, nbytes in comm_calls(st.trace, _dp_layout(layout), buffers):
+        out[f"dp:{op}"] = out.get(f"dp:{op}", 0) + nbytes
+    for op, nbytes, axis in hybrid_comm_calls(trace, layout, st):
+        out[f"{axis}:{op}"] = out.get(f"{axis}:{op}", 0) + nbytes
+    return out

@@ -330,7 +330,11 @@ class _Recorder(TorchDispatchMode):
             flops = float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
         self.flops.append(flops)
         self.attention.append("attention" in packet.__name__)
-        self.io.append(sum(t.numel() * t.element_size() for t in flat_in + flat_out))
+        ins = {t.untyped_storage()._cdata for t in flat_in}
+        view = bool(flat_out) and not packet.__name__.endswith("_") and all(
+            t.untyped_storage()._cdata in ins for t in flat_out)  # fmt: skip
+        # a view (t, transpose, reshape of a contiguous tensor, detach) moves no bytes
+        self.io.append(0 if view else sum(t.numel() * t.element_size() for t in flat_in + flat_out))
         self.live.append(max(before, self.cur))
         return out
 
