@@ -118,7 +118,10 @@ def test_layouts_that_cannot_divide_the_model_name_the_values():
         ({"engine": "hybrid", "pp": 2, "pp_virtual": 2}, "needs pp_schedule='interleaved'"),
         ({"engine": "hybrid", "pp": 2, "microbatches": 3, "pp_schedule": "interleaved"}, "divisible by pp=2"),
         ({"engine": "hybrid", "zero_stage": 3}, "must be 0 \\(DDP\\), 1 or 2"),
-        ({"engine": "hybrid", "ep": 2}, "must divide the data-parallel ranks dp=1"),
+        ({"engine": "hybrid", "ep": 2}, "must divide the dp x sp ranks \\(1 x 1\\)"),
+        ({"engine": "hybrid", "microbatches": 4}, "need pp > 1"),
+        ({"engine": "hybrid", "pp_schedule": "interleaved", "pp_virtual": 2}, "need pp > 1"),
+        ({"engine": "hybrid", "dp": 2, "zero_stage": 1, "precision": "fp16"}, "does not run fp16"),
         ({"engine": "hybrid", "pp_schedule": "pipedream"}, "pp_schedule must be one of"),
         ({"engine": "hybrid", "tp": 0}, "tp must be a positive int, got 0"),
     ],
@@ -132,3 +135,33 @@ def test_world_and_label():
     lay = Layout(engine="hybrid", dp=2, tp=4, pp=2, microbatches=4, precision=torch.bfloat16)
     assert lay.world == 16
     assert lay.label == "hybrid dp2 tp4 pp2(1f1b m4) bf16"
+
+
+def test_the_vocabulary_embedding_is_split_not_the_positions():
+    # positions outnumber the vocabulary: the split must still follow the vocabulary
+    class Pos(LM):
+        def __init__(self):
+            super().__init__(vocab=16)
+            self.pos = nn.Parameter(torch.zeros(64, 32))
+
+        def forward(self, idx):
+            return super().forward(idx) + 0 * self.pos.sum()
+
+    t = trace_model(Pos, batch=2, seq=24, vocab_size=16)
+    assert t.vocab == 16
+    st = rank_step(t, Layout(engine="hybrid", tp=2), 0)
+    sizes = {p.name: p.numel for p in st.trace.params}
+    assert sizes["emb.weight"] == 16 * 32 // 2 and sizes["pos"] == 64 * 32
+
+
+def test_plan_lists_hybrid_layouts_only_for_models_of_blocks():
+    hw = hardware_preset("dgx-a100")
+    kw = {"inputs": lambda b, s: (torch.zeros(b, s, 10),), "loss": lambda out, x: out.sum()}
+    mlp = plan(lambda: nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10)), batch=8, seq=16, hardware=hw,
+               trace_kwargs=kw)  # fmt: skip
+    assert mlp and not any(c.layout.engine == "hybrid" for c in mlp)
+    lm = plan(LM, batch=8, seq=24, hardware=hw, trace_kwargs={"vocab_size": 96})
+    hybrid = [c for c in lm if c.layout.engine == "hybrid"]
+    assert hybrid and all(c.layout.tp in (1, 2, 4) for c in hybrid)  # 4 heads: tp 8 cannot divide them
+    cmd = next(c for c in hybrid if c.layout.pp > 1 and not c.layout.zero_stage).command("--model x", 8, 24)
+    assert "--pp-size" in cmd and f"--nproc {hw.world_size}" in cmd

@@ -16,9 +16,11 @@ all-reduces ([Note: what tensor parallelism splits] in :mod:`colossal.planner.tr
   activations (its live bytes at the end of its forward).
 * **Tensor parallelism** (1D): the split part of every live byte is divided by ``tp``; 2-D weights
   inside a block, the column layers' biases and the vocabulary-sized embedding and LM head are
-  split, norms, row biases and position embeddings kept whole (``gpt_plan("1d")``). 2D and 3D
-  partition every parameter and every activation of a block ``tp`` ways; 2.5D the activations
-  ``tp`` ways and the parameters ``q^2 = tp / depth`` ways (replicated over the depth).
+  split, norms, row biases and position embeddings kept whole (``gpt_plan("1d")``); MoE layers are
+  not converted (their experts are ep's). 2D and 3D partition every parameter ``tp`` ways, 2.5D
+  ``q^2 = tp / depth`` ways (replicated over the depth); a block's activations are divided by
+  ``tp`` in 3D and by the grid side ``q`` in 2D/2.5D (SUMMA gathers its operands along one side;
+  measured on 2D: still 25% low).
 * **Sequence parallelism** is traced at ``seq / sp`` tokens; the head and loss run on the logits
   gathered over ``sp`` (the user's criterion sees the whole sequence): the gathered logits and
   their log-softmax are added over the head's operators (under 1D tp, the gathered logits beside
@@ -33,8 +35,8 @@ Step time: the rank's operators per micro-batch (split work divided by ``tp``) t
 ``m + bubble`` (``pp - 1`` for GPipe and 1F1B, ``(pp - 1) / v`` interleaved, ``(pp - 1) / 3`` for
 ZB-H1), the slowest rank's, plus the tensor-parallel all-reduces (on the critical path), the
 pipeline's point-to-point sends, ring or all-to-all attention's exchanges, the MoE all-to-alls,
-and the data-parallel gradient reduction (after the pipeline's flush; overlapped with backward on
-CUDA only without pp).
+the logits gathered for the criterion, and the data-parallel gradient reduction (after the
+pipeline's flush; overlapped with backward on CUDA only without pp).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ __all__ = [
     "in_flight",
 ]
 
-_EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
+_EXPERT = re.compile(r"(?:^|\.)experts\.")  # an indexed expert's or a stacked experts' weight
 
 
 def grid_side(layout: Layout) -> int:
@@ -99,7 +101,7 @@ def check_hybrid(trace: ModelTrace, layout: Layout) -> None:
 
 
 def _chunks(trace: ModelTrace, layout: Layout) -> list[tuple[int, int]]:
-    n, k = len(trace.blocks), layout.pp * layout.pp_virtual
+    n, k = len(trace.blocks), layout.pp * layout.pp_virtual if layout.pp > 1 else 1
     if k == 1 or n == 0:
         return [(0, n)]
     size = n // k
@@ -201,8 +203,7 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
     # the head and loss: the plugins gather the logits for the user's criterion. Under sp the
     # gathered (b, T, V) logits and their log-softmax are sp times the traced ones; under 1D tp
     # the rank holds its split logits and the gathered pieces besides the whole logits
-    vocab_rows = max((p.shape[0] for p in trace.params if len(p.shape) == 2), default=0)
-    logits = trace.batch * trace.seq * vocab_rows * trace.dtype.itemsize
+    logits = trace.batch * trace.seq * trace.vocab * trace.dtype.itemsize
     head_extra = 2 * (layout.sp - 1) * logits + (logits if tp > 1 and layout.tp_mode == "1d" else 0)
     head = range(trace.unit_forward[b[-1]][1] + 1, trace.unit_backward[b[-1]]) if (head_extra and b) else range(0)
 
@@ -242,7 +243,7 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
     extra = max(0, n_flight - 1) * per_chunk
     # parameters of this rank, at their per-rank sizes
     block_of = _block_of(trace)
-    vocab = max((p.shape[0] for p in trace.params if block_of[p.unit] < 0 and len(p.shape) == 2), default=0)
+    vocab = trace.vocab
     where = _param_chunks(trace, chunks)
     index = {j: n for n, j in enumerate(ops)}
     params, grad_op = [], []
@@ -250,9 +251,10 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
     for i, p in enumerate(trace.params):
         if not where[i] & set(mine):
             continue
-        numel = -(-p.numel // _tp_divisor(trace, layout, p, block_of[p.unit] >= 0, vocab))
-        if layout.ep > 1 and _EXPERT.search(p.name):
-            numel = -(-numel // layout.ep)
+        if _EXPERT.search(p.name):  # MoE layers are not tensor-parallel; ep shares out their experts
+            numel = -(-p.numel // layout.ep)
+        else:
+            numel = -(-p.numel // _tp_divisor(trace, layout, p, block_of[p.unit] >= 0, vocab))
         params.append(dataclasses.replace(p, numel=numel, dtype=torch.float32))
         g = trace.grad_op[i]
         grad_op.append(index.get(g, len(ops) - 1) if g >= 0 else -1)
@@ -298,19 +300,23 @@ def hybrid_comm_calls(trace: ModelTrace, layout: Layout, step: RankStep) -> list
             for j in ops:
                 if trace.reduce_bytes[j]:
                     out += [("all_reduce", trace.reduce_bytes[j], "tp")] * m
-            if 0 in ops:  # the vocabulary-parallel embedding's all-reduce
+            if 0 in ops and trace.vocab:  # the vocabulary-parallel embedding's all-reduce
                 out += [("all_reduce", act, "tp")] * m
         else:  # SUMMA-style: each weight matmul gathers its operands over one side of the grid
             q = grid_side(layout)
             for j in ops:
                 if trace.in_block[j] and trace.flops[j] and not trace.attention[j]:
                     out += [("all_gather", trace.io_bytes[j] // layout.tp * q, "tp")] * m
+        if trace.backward_start - 1 in ops and trace.vocab:  # GatherLogits: the split logits gathered
+            out += [("all_gather", trace.batch * trace.seq * trace.vocab * w, "tp")] * m
     if layout.pp > 1:
         chunks = _chunks(trace, layout)
         mine = [k for k in range(step.rank, len(chunks), layout.pp)]
         sends = sum((k < len(chunks) - 1) + (k > 0) for k in mine)  # activation forward, gradient backward
         out += [("send", act // (layout.tp if layout.tp_mode != "1d" else 1), "pp")] * (sends * m)
     if layout.sp > 1:
+        if trace.backward_start - 1 in ops and trace.vocab:  # the logits gathered over sp for the criterion
+            out += [("all_gather", layout.sp * trace.batch * trace.seq * trace.vocab * w, "sp")] * m
         n_blocks = _blocks_on_rank(trace, layout, step.rank)
         per_block = (
             [("send", 2 * act, "sp")] * (3 * (layout.sp - 1))  # k, v around the ring; twice in backward

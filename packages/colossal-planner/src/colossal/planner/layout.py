@@ -179,6 +179,11 @@ class Layout:
             raise ValueError(f"Layout.tp={tp} with tp_mode='3d' must be a cube q^3")
         if d != 1 and mode != "2.5d":
             raise ValueError(f"Layout.tp_depth={d} goes with tp_mode='2.5d', got tp_mode={mode!r}")
+        if self.pp == 1 and (self.pp_virtual > 1 or self.microbatches > 1):
+            raise ValueError(f"Layout.pp_virtual={self.pp_virtual} and microbatches={self.microbatches} need pp > 1 "
+                             "(the plugin splits a step into micro-batches only for its pipeline)")  # fmt: skip
+        if self.precision == torch.float16 and self.zero_stage:
+            raise ValueError("engine='hybrid' with zero_stage 1/2 does not run fp16 (the plugin refuses it); use bf16")
         if self.pp_virtual > 1 and self.pp_schedule != "interleaved":
             raise ValueError(f"Layout.pp_virtual={self.pp_virtual} needs pp_schedule='interleaved', "
                              f"got {self.pp_schedule!r}")  # fmt: skip
@@ -186,8 +191,8 @@ class Layout:
             raise ValueError(f"pp_schedule 'interleaved' needs microbatches divisible by pp={self.pp}, "
                              f"got microbatches={self.microbatches}")  # fmt: skip
         if self.ep > 1:
-            if self.dp % self.ep:
-                raise ValueError(f"Layout.ep={self.ep} must divide the data-parallel ranks dp={self.dp}")
+            if (self.dp * self.sp) % self.ep:
+                raise ValueError(f"Layout.ep={self.ep} must divide the dp x sp ranks ({self.dp} x {self.sp})")
             if tp > 1 and mode != "1d":
                 raise ValueError(f"Layout.ep={self.ep} composes with 1D tensor parallelism only, got tp_mode={mode!r}")
 

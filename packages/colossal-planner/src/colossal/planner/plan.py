@@ -203,10 +203,34 @@ def hybrid_layouts(
             if pp > 1:
                 m = max((d for d in range(1, min(per_rank, 4 * pp) + 1) if per_rank % d == 0), default=1)
             for zero in (0, 1):
-                if zero and dp == 1:
+                if zero and (dp == 1 or precision == torch.float16):  # the plugin runs no fp16 ZeRO
                     continue
                 out.append(Layout(engine="hybrid", dp=dp, tp=tp, pp=pp, microbatches=m, zero_stage=zero,
                                   precision=precision))  # fmt: skip
+    return out
+
+
+def _hybrid_candidates(model, world, precision, hardware, batch, seq, trace_kwargs) -> list[Layout]:
+    """:func:`hybrid_layouts` for a model of blocks (an ``nn.ModuleList``) with attention heads, each
+    checked against the model (one small trace tells its blocks, heads and widths); none for a model
+    the trace cannot take at a short length, or without blocks."""
+    from colossal.planner.hybrid import check_hybrid
+
+    try:
+        probe = trace_model(model, batch=1, seq=min(seq, 16), dtype=precision, device_type=hardware.device_type,
+                            **(trace_kwargs or {}))  # fmt: skip
+    except Exception:  # noqa: BLE001 (a model that needs its own length or inputs: no hybrid candidates)
+        return []
+    if not probe.blocks or not probe.heads:
+        return []
+    out = []
+    for lay in hybrid_layouts(world, precision, devices_per_node=hardware.devices_per_node, batch=batch,
+                              n_blocks=len(probe.blocks), heads=probe.heads):  # fmt: skip
+        try:
+            check_hybrid(probe, lay)
+        except ValueError:
+            continue
+        out.append(lay)
     return out
 
 
@@ -268,11 +292,7 @@ def plan(
         if one_trace and precision != torch.float32:  # the DDP layout is the fp32 step
             layouts = [lay for lay in layouts if lay.engine != "ddp"]
         if callable(model) and not isinstance(model, ModelTrace | dict) and world > 1:
-            # hybrid layouts need the model's blocks and heads: one small trace tells them
-            probe = trace_model(model, batch=1, seq=min(seq, 16), dtype=precision, device_type=hardware.device_type,
-                                **(trace_kwargs or {}))  # fmt: skip
-            layouts += hybrid_layouts(world, precision, devices_per_node=hardware.devices_per_node, batch=batch,
-                                      n_blocks=len(probe.blocks), heads=probe.heads)  # fmt: skip
+            layouts += _hybrid_candidates(model, world, precision, hardware, batch, seq, trace_kwargs)
     for lay in layouts:
         if lay.world > world:
             raise ValueError(f"{lay.label} needs {lay.world} ranks, {hardware.name} has {world} devices")
@@ -344,11 +364,8 @@ def plan(
             engine_overhead=(engine_overhead or {}).get(lay.engine_key, (0.0, 0.0)),
             host_fraction=mem.breakdown.get("optimizer_host_permille", 0) / 1000,
         )
-        try:
-            short = _shortfalls(mem, hardware, min(lay.world, hardware.devices_per_node))
-            comm = comm_bytes(trace, lay, mem.breakdown.get("optimizer_tensors", 1))
-        except ValueError as exc:  # a hybrid layout that cannot divide the model
-            raise ValueError(str(exc)) from None
+        short = _shortfalls(mem, hardware, min(lay.world, hardware.devices_per_node))
+        comm = comm_bytes(trace, lay, mem.breakdown.get("optimizer_tensors", 1))
         tokens = batch * seq / t.total
         # forward + backward (2x) of the whole global batch, without recomputation
         mfu = model_flops(trace, lay, batch) / t.total / (hardware.flops(lay.precision) * lay.world)

@@ -205,7 +205,9 @@ def hybrid_step_time(trace: ModelTrace, layout: Layout, hardware, *, op_overhead
                 f *= layout.sp  # each query chunk attends to the whole sequence
             # split work: 1D's split operators, 2D/2.5D/3D's whole blocks, and the vocabulary-parallel
             # LM head (the matmuls outside the blocks)
-            if tp > 1 and ((trace.split[j] if one_d else trace.in_block[j]) or (f and not trace.in_block[j])):
+            if tp > 1 and (
+                (trace.split[j] if one_d else trace.in_block[j]) or (f and trace.vocab and not trace.in_block[j])
+            ):
                 f, b = f / tp, b / tp
             rate = hardware.attention_rate(layout.precision, f) if a else hardware.matmul_rate(layout.precision, f)
             per_mb += max(f / rate if f else 0.0, b / bw) + op_overhead

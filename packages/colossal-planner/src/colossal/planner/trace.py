@@ -80,8 +80,8 @@ class ParamInfo:
     first_use: int = -1
     """The first forward operator that reads it (-1: never read in the forward)."""
     split_use: bool = False
-    """Whether that operator's output is split by 1D tensor parallelism (a column layer's weight
-    and bias; see [Note: what tensor parallelism splits])."""
+    """Whether that operator's output is split by 1D tensor parallelism (a column layer's bias; a
+    weight's first reader is its transpose view; see [Note: what tensor parallelism splits])."""
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +134,10 @@ class ModelTrace:
     heads: int = 0
     """Attention heads of the config (``num_attention_heads`` / ``n_head``); 0 when unknown."""
     experts: int = 0
-    """Experts per MoE layer (the largest index under an ``experts`` module list, plus one); 0: dense."""
+    """Experts per MoE layer (the largest index under an ``experts`` module list, plus one, or the
+    leading dimension of stacked expert weights under ``experts.``); 0: dense."""
+    vocab: int = 0
+    """The vocabulary size (the config's ``vocab_size`` or the ``vocab_size=`` given); 0 when unknown."""
     blocks: tuple[int, ...] = ()
     """Indices in :attr:`units` of the model's blocks: the children of its outermost
     ``nn.ModuleList`` (what pipeline parallelism cuts into stages)."""
@@ -509,6 +512,7 @@ def trace_model(
         for i, (name, p) in enumerate(params)
     )
     experts = [int(m.group(1)) for name, _ in params if (m := re.search(r"(?:^|\.)experts\.(\d+)\.", name))]
+    experts += [p.shape[0] - 1 for name, p in params if re.search(r"(?:^|\.)experts\.[^.\d]", name) and p.dim() == 3]
     return ModelTrace(
         params=infos,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
@@ -530,6 +534,7 @@ def trace_model(
         hidden=hidden,
         heads=_config_int(model, "num_attention_heads", "n_head", "num_heads"),
         experts=max(experts) + 1 if experts else 0,
+        vocab=vocab_size or _config_int(model, "vocab_size"),
         blocks=tuple(blocks),
         live_split=tuple(series[1]),
         live_block=tuple(series[2]),
