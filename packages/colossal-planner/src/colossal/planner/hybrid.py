@@ -216,13 +216,9 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
     ops: list[int] = []
     vals: list[int] = []
     saved: list[int] = []
-    fwd_spans, bwd_spans = [], []
-    for k in mine:
-        f, bw = _spans(trace, chunks, k)
-        fwd_spans.append((k, f))
-        bwd_spans.append((k, bw))
+    spans = [(k, *_spans(trace, chunks, k)) for k in mine]
     bases = {}
-    for k, f in fwd_spans:
+    for k, f, _ in spans:
         if f.start == 0:
             bases[k] = (0, 0)
         else:
@@ -234,7 +230,7 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
             vals.append(value(j, *bases[k]))
         saved.append(value(f.stop - 1, *bases[k]) if len(f) else 0)
     backward_start = len(ops)
-    for k, bw in reversed(bwd_spans):
+    for k, _, bw in reversed(spans):
         for j in bw:
             ops.append(j)
             vals.append(value(j, *bases[k]))
@@ -255,7 +251,7 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
             numel = -(-p.numel // layout.ep)
         else:
             numel = -(-p.numel // _tp_divisor(trace, layout, p, block_of[p.unit] >= 0, vocab))
-        params.append(dataclasses.replace(p, numel=numel, dtype=torch.float32))
+        params.append(dataclasses.replace(p, numel=numel, dtype=torch.float32, unit=0))
         g = trace.grad_op[i]
         grad_op.append(index.get(g, len(ops) - 1) if g >= 0 else -1)
         if len(p.shape) >= 2:
@@ -280,9 +276,7 @@ def rank_step(trace: ModelTrace, layout: Layout, rank: int) -> RankStep:
         split=(),
         in_block=(),
         reduce_bytes=(),
-        input_bytes=trace.input_bytes if rank == 0 or layout.pp == 1 else trace.input_bytes,
     )
-    derived = dataclasses.replace(derived, params=tuple(dataclasses.replace(p, unit=0) for p in derived.params))
     return RankStep(derived, rank, extra, tuple(ops), autocast)
 
 

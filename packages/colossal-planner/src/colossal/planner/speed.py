@@ -182,15 +182,6 @@ def _group_link(hardware, layout: Layout, axis: str) -> tuple[float, float]:
 def hybrid_step_time(trace: ModelTrace, layout: Layout, hardware, *, op_overhead: float, n_step_tensors: int = 1,
                      engine_overhead: tuple[float, float] = (0.0, 0.0)):  # fmt: skip
     """Seconds of one step of the slowest pipeline rank (a :class:`~colossal.planner.StepTime`)."""
-    from colossal.planner.speed import (
-        _ADAM_ACCESSES,
-        _ADAM_FOREACH_OPS,
-        _ADAM_OPS_PER_TENSOR,
-        _FACTOR,
-        StepTime,
-        comm_calls,
-    )
-
     check_hybrid(trace, layout)
     bw = hardware.memory_bandwidth
     tp, one_d = layout.tp, layout.tp_mode == "1d"
